@@ -1,0 +1,15 @@
+"""Small demo models and data sets used by the examples, tests and benchmarks.
+
+They are ordinary LightningModules that also train with DDP; the only addition DeepCEE needs is
+``configure_pipeline``.
+"""
+
+from lightning_deepcee.demo.gpt import GPT, GPTConfig
+from lightning_deepcee.demo.text import ShakespeareDataModule, load_shakespeare
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "ShakespeareDataModule",
+    "load_shakespeare",
+]

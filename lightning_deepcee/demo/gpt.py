@@ -1,0 +1,138 @@
+"""A small character-level GPT (nanoGPT-style) as a plain LightningModule.
+
+It trains with any Lightning strategy through ``training_step``; ``configure_pipeline`` is the one
+method DeepCEEStrategy needs: the ordered blocks (embedding, transformer layers, head) and the loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lightning_deepcee.runtime.stage import PipelineSpec
+
+__all__ = ["GPT", "GPTConfig"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model size. The defaults give about 0.8M parameters."""
+
+    vocab_size: int = 96
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+
+
+class _Embedding(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok(idx) + self.pos(pos))
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        )
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class _Head(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.n_embd)
+        self.out = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+def _lm_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
+
+
+class GPT(pl.LightningModule):
+    """Character-level GPT. Batches are ``(tokens, next_tokens)`` of shape ``(B, T)``."""
+
+    def __init__(
+        self,
+        vocab_size: int = 96,
+        block_size: int = 64,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+        learning_rate: float = 3e-3,
+        weight_decay: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        cfg = GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
+        torch.manual_seed(seed)  # identical initial weights on every process
+        self.embed = _Embedding(cfg)
+        self.blocks = nn.ModuleList([_Block(cfg) for _ in range(n_layer)])
+        self.head = _Head(cfg)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
+
+    def configure_pipeline(self) -> PipelineSpec:
+        """The one addition DeepCEEStrategy needs."""
+        return PipelineSpec(
+            blocks=[self.embed, *self.blocks, self.head],
+            loss_fn=_lm_loss,
+            tokens_fn=lambda batch: int(batch[0].numel()),
+        )
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = _lm_loss(self(batch[0]), batch)
+        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = _lm_loss(self(batch[0]), batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            self.parameters(),
+            lr=self.hparams["learning_rate"],
+            weight_decay=self.hparams["weight_decay"],
+        )

@@ -1,0 +1,46 @@
+"""Profiler: what the cluster can do, and which devices belong together.
+
+The pure core lives here: profile data types (:mod:`.data`) and two-level device grouping
+(:mod:`.grouping`). Neither imports torch or lightning, so planning from a saved or hand-written
+profile works anywhere. Measurement benchmarks that need torch live in a separate module.
+"""
+
+from __future__ import annotations
+
+from lightning_deepcee.profiler.data import (
+    ClusterProfile,
+    DeviceProfile,
+    ProfileCacheWarning,
+    capability_score,
+    fingerprint,
+    fingerprint_cluster,
+    load_cached_profile,
+)
+from lightning_deepcee.profiler.grouping import (
+    LINKAGE_METHODS,
+    DeviceGroups,
+    GroupingConfig,
+    group_by_compute,
+    group_by_network,
+    group_devices,
+    group_devices_from_arrays,
+    network_distances,
+)
+
+__all__ = [
+    "LINKAGE_METHODS",
+    "ClusterProfile",
+    "DeviceGroups",
+    "DeviceProfile",
+    "GroupingConfig",
+    "ProfileCacheWarning",
+    "capability_score",
+    "fingerprint",
+    "fingerprint_cluster",
+    "group_by_compute",
+    "group_by_network",
+    "group_devices",
+    "group_devices_from_arrays",
+    "load_cached_profile",
+    "network_distances",
+]

@@ -1,0 +1,240 @@
+"""The executor: runs one rank's lowered action list for one training (or evaluation) step.
+
+It dispatches on the action kind and never decides order. The B/W split uses torch's own
+``stage_backward_input`` / ``stage_backward_weight`` (torch.distributed.pipelining): B computes
+the input gradient and keeps the intermediate gradients the weights need; W finishes the weight
+gradients later from those, so splitting costs no recomputation. The first stage has no input
+gradient to send, so its B is empty and its W runs the whole backward.
+
+Gradient exactness: micro-batch ``i`` holding ``n_i`` of the batch's ``N`` samples has its mean
+loss scaled by ``n_i / N`` before backward, so the summed gradients equal the gradient of the
+whole-batch mean loss, whatever the (uneven) micro-batch sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.profiler import record_function
+
+from lightning_deepcee.runtime.stage import Stage
+from lightning_deepcee.runtime.transport import P2PTransport
+from lightning_deepcee.schedule import Action, ActionKind, render
+
+__all__ = ["PipelineExecutionError", "PipelineExecutor", "StepStats"]
+
+K = ActionKind
+
+
+class PipelineExecutionError(RuntimeError):
+    """An action failed; the message shows this rank's schedule with the failing action marked."""
+
+
+@dataclass
+class StepStats:
+    """Timings of one step on this rank, in seconds, by action kind."""
+
+    seconds_by_kind: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    wall_s: float = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        return sum(self.seconds_by_kind.get(k.value, 0.0) for k in (K.F, K.B, K.W, K.BW))
+
+    @property
+    def transfer_s(self) -> float:
+        return sum(
+            self.seconds_by_kind.get(k.value, 0.0) for k in (K.SEND_F, K.RECV_F, K.SEND_B, K.RECV_B)
+        ) + self.seconds_by_kind.get("WAIT_SENDS", 0.0)
+
+
+@dataclass
+class _MicroBatchState:
+    batch: Any = None
+    weight: float = 1.0
+    input: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    output_grad: torch.Tensor | None = None
+    input_grad: torch.Tensor | None = None
+    param_groups: list[dict[str, Any]] | None = None
+    pending_full_backward: bool = False
+
+
+class PipelineExecutor:
+    """Runs ``actions`` (this rank's lowered schedule) for ``stage``.
+
+    Args:
+        stage: the local blocks.
+        actions: the rank's lowered schedule.
+        transport: point-to-point transport.
+        prev_rank / next_rank: global ranks of the neighbouring stages (``None`` at the ends).
+        loss_fn / input_fn: from the model's :class:`PipelineSpec`.
+        rank: this rank, for error messages.
+    """
+
+    def __init__(
+        self,
+        *,
+        stage: Stage,
+        actions: Sequence[Action],
+        transport: P2PTransport,
+        prev_rank: int | None,
+        next_rank: int | None,
+        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+        input_fn: Callable[[Any], torch.Tensor],
+        rank: int,
+    ) -> None:
+        self.stage = stage
+        self.actions = list(actions)
+        self.transport = transport
+        self.prev_rank = prev_rank
+        self.next_rank = next_rank
+        self.loss_fn = loss_fn
+        self.input_fn = input_fn
+        self.rank = rank
+        self.last_stats = StepStats()
+
+    def run(
+        self,
+        microbatches: Sequence[Any],
+        weights: Sequence[float],
+        *,
+        forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            contextlib.nullcontext
+        ),
+    ) -> torch.Tensor | None:
+        """Run the schedule once; returns the weighted loss sum on the last stage, else ``None``.
+
+        Gradients accumulate into the stage parameters' ``.grad``.
+        """
+        states = [
+            _MicroBatchState(batch=mb, weight=w)
+            for mb, w in zip(microbatches, weights, strict=True)
+        ]
+        stats = StepStats()
+        start = time.perf_counter()
+        self.transport.records.clear()
+        loss: torch.Tensor | None = None
+        for pos, action in enumerate(self.actions):
+            t0 = time.perf_counter()
+            try:
+                with record_function(f"deepcee:{action}"):
+                    out = self._dispatch(action, states[action.microbatch], forward_context)
+            except Exception as exc:
+                raise PipelineExecutionError(
+                    f"rank {self.rank}, stage {self.stage.stage_index}: action {action} "
+                    f"(position {pos}) failed: {type(exc).__name__}: {exc}\n"
+                    f"{render({self.rank: self.actions}, mark=(self.rank, pos))}"
+                ) from exc
+            stats.seconds_by_kind[action.kind.value] += time.perf_counter() - t0
+            if out is not None:
+                loss = out if loss is None else loss + out
+        stats.seconds_by_kind["WAIT_SENDS"] += self.transport.wait_sends()
+        stats.wall_s = time.perf_counter() - start
+        self.last_stats = stats
+        return loss
+
+    def _params(self) -> Iterator[torch.nn.Parameter]:
+        return iter(self.stage.parameters())
+
+    def _dispatch(
+        self,
+        action: Action,
+        st: _MicroBatchState,
+        forward_context: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> torch.Tensor | None:
+        kind = action.kind
+        if kind == K.F:
+            return self._forward(st, forward_context)
+        if kind == K.RECV_F:
+            assert self.prev_rank is not None
+            x = self.transport.recv(self.prev_rank)
+            st.input = x.requires_grad_(torch.is_grad_enabled() and x.is_floating_point())
+        elif kind == K.SEND_F:
+            assert self.next_rank is not None and st.output is not None
+            self.transport.send(st.output, self.next_rank)
+            if not torch.is_grad_enabled():
+                st.output = None
+        elif kind == K.RECV_B:
+            assert self.next_rank is not None
+            st.output_grad = self.transport.recv(self.next_rank)
+        elif kind == K.SEND_B:
+            assert self.prev_rank is not None and st.input is not None
+            grad = st.input_grad if st.input_grad is not None else torch.zeros_like(st.input)
+            self.transport.send(grad, self.prev_rank)
+            st.input_grad = None
+            st.input = None
+        elif kind == K.BW:
+            self._backward_full(st)
+        elif kind == K.B:
+            self._backward_input(st)
+        elif kind == K.W:
+            self._backward_weight(st)
+        return None
+
+    def _forward(
+        self,
+        st: _MicroBatchState,
+        forward_context: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> torch.Tensor | None:
+        x = self.input_fn(st.batch) if self.stage.is_first else st.input
+        if x is None:
+            raise RuntimeError("forward before the stage input arrived")
+        with forward_context():
+            y = self.stage.forward(x)
+            if not self.stage.is_last:
+                st.output = y
+                return None
+            loss = self.loss_fn(y, st.batch)
+        if loss.dim() != 0:
+            raise ValueError(
+                f"loss_fn must return a scalar (the mean over the micro-batch), got shape "
+                f"{tuple(loss.shape)}."
+            )
+        st.output = loss.float() * st.weight
+        return st.output.detach()
+
+    def _grad_outputs(self, st: _MicroBatchState) -> torch.Tensor | None:
+        if self.stage.is_last:
+            return None
+        if st.output_grad is None:
+            raise RuntimeError("backward before the output gradient arrived")
+        return st.output_grad
+
+    def _backward_full(self, st: _MicroBatchState) -> None:
+        assert st.output is not None
+        if st.output.requires_grad:
+            torch.autograd.backward(st.output, self._grad_outputs(st))
+        if st.input is not None:
+            st.input_grad = st.input.grad
+        st.output = st.output_grad = None
+
+    def _backward_input(self, st: _MicroBatchState) -> None:
+        assert st.output is not None
+        if self.stage.is_first or st.input is None or not st.input.requires_grad:
+            # Nothing upstream needs a gradient: W runs the whole backward later.
+            st.pending_full_backward = True
+            return
+        grad_out = self._grad_outputs(st)
+        dinputs, st.param_groups = stage_backward_input(
+            [st.output], None if grad_out is None else [grad_out], [st.input], self._params()
+        )
+        st.input_grad = dinputs[0]
+        st.output = st.output_grad = None
+
+    def _backward_weight(self, st: _MicroBatchState) -> None:
+        if st.pending_full_backward:
+            st.pending_full_backward = False
+            self._backward_full(st)
+            return
+        if st.param_groups is None:
+            raise RuntimeError("W before its B")
+        stage_backward_weight(self._params(), st.param_groups)
+        st.param_groups = None

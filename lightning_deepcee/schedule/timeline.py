@@ -1,0 +1,89 @@
+"""PNG timeline of a simulated step: one row per rank, a box per compute action.
+
+Colours: F blue, B green, W orange, BW teal; transfers are thin grey bars along the bottom of the
+sending rank's row. matplotlib is optional and imported only when a plot is drawn
+(``pip install matplotlib``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from lightning_deepcee.schedule.actions import ActionKind
+from lightning_deepcee.schedule.simulate import SimulationResult
+
+__all__ = ["plot_timeline"]
+
+_COLOURS = {
+    ActionKind.F: "tab:blue",
+    ActionKind.B: "tab:green",
+    ActionKind.W: "tab:orange",
+    ActionKind.BW: "teal",
+}
+_TRANSFER_COLOUR = "grey"
+
+
+def plot_timeline(
+    result: SimulationResult, path: str | os.PathLike[str], *, title: str | None = None
+) -> None:
+    """Draw ``result`` as a Gantt chart and save it as a PNG at ``path``."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError(
+            "plot_timeline needs matplotlib, which is not installed: pip install matplotlib"
+        ) from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    ranks = sorted(result.per_rank_busy_s)
+    row = {r: i for i, r in enumerate(ranks)}
+    step = result.step_time_s or 1.0
+    fig, ax = plt.subplots(
+        figsize=(max(6.0, min(24.0, 0.4 * len(result.events))), 0.6 * len(ranks) + 1.2)
+    )
+    try:
+        for ev in result.events:
+            y = row[ev.rank]
+            if ev.is_transfer:
+                ax.barh(
+                    y + 0.38,
+                    ev.duration_s,
+                    left=ev.start_s,
+                    height=0.08,
+                    color=_TRANSFER_COLOUR,
+                    alpha=0.7,
+                )
+                continue
+            ax.barh(
+                y,
+                ev.duration_s,
+                left=ev.start_s,
+                height=0.6,
+                color=_COLOURS[ev.action.kind],
+                edgecolor="black",
+                linewidth=0.4,
+            )
+            if ev.duration_s > 0.025 * step:
+                ax.text(
+                    ev.start_s + ev.duration_s / 2,
+                    y,
+                    str(ev.action.microbatch),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white",
+                )
+        ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+        ax.invert_yaxis()
+        ax.set_xlim(0, step)
+        ax.set_xlabel("seconds")
+        ax.set_title(title or f"step {result.step_time_s:.4g} s, bubble {result.bubble_ratio:.1%}")
+        handles = [Patch(color=c, label=k.value) for k, c in _COLOURS.items()]
+        handles.append(Patch(color=_TRANSFER_COLOUR, label="transfer"))
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, format="png", dpi=120)
+    finally:
+        plt.close(fig)

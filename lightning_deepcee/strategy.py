@@ -1,0 +1,431 @@
+"""DeepCEEStrategy: trains a LightningModule as a pipeline over several processes.
+
+Layout: ``world_size = num_stages * num_replicas``; global rank ``r`` runs stage
+``r % num_stages`` of pipeline replica ``r // num_stages``. Each replica sees its own share of
+the data (the sampler shards by replica, never by stage) and the gradients of one stage are
+averaged over its replicas in a per-stage process group.
+
+One training step runs the whole lowered schedule inside Lightning's ``training_step``; the
+gradients it leaves are moved aside and put back in :meth:`DeepCEEStrategy.backward`, because
+Lightning's automatic optimization zeroes gradients between ``training_step`` and ``backward``
+(see LIGHTNING_NOTES.md). The optimizer then steps once per batch, after every W of the step:
+exact synchronous semantics, the same update a single device computes on the whole batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from typing_extensions import override
+
+from lightning_deepcee.checkpoint import load_sharded, save_sharded
+from lightning_deepcee.planner import balanced_partition, check_partition, partition_from_sizes
+from lightning_deepcee.precision import wrap_precision
+from lightning_deepcee.runtime import (
+    P2PTransport,
+    PipelineExecutor,
+    PipelineSpec,
+    Stage,
+    batch_size_of,
+    build_stage,
+    get_pipeline_spec,
+    split_batch,
+    split_sizes,
+)
+from lightning_deepcee.runtime.executor import StepStats
+from lightning_deepcee.schedule import SCHEDULE_KINDS, generate, lower, render, validate
+from lightning_deepcee.schedule.generators import forward_only
+
+__all__ = ["DeepCEEStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+class DeepCEEStrategy(DDPStrategy):
+    """Pipeline-parallel training across heterogeneous devices, exact synchronous gradients.
+
+    Args:
+        partition: blocks per stage, either stage sizes (``[3, 2, 3]``) or block ranges
+            (``[[0, 3], [3, 5], [5, 8]]``). ``None`` balances parameter counts.
+        schedule: one of ``gpipe``, ``1f1b``, ``zb-h1``.
+        num_microbatches: micro-batches per step and replica; batches need at least as many
+            samples. Uneven splits are fine.
+        num_stages: pipeline depth; ``None`` uses one stage per process. Must divide the world
+            size; the quotient is the number of data-parallel pipeline replicas.
+        timeout_s: seconds a collective or transfer may block before the process group fails.
+        verbose: print the partition and schedule on rank 0 at setup.
+    """
+
+    strategy_name = "deepcee"
+
+    def __init__(
+        self,
+        partition: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        schedule: str = "1f1b",
+        num_microbatches: int = 4,
+        num_stages: int | None = None,
+        timeout_s: float = 1800.0,
+        verbose: bool = True,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        if schedule not in SCHEDULE_KINDS:
+            raise ValueError(
+                f"DeepCEEStrategy(schedule={schedule!r}) is unknown; choose one of "
+                f"{', '.join(SCHEDULE_KINDS)}."
+            )
+        if num_microbatches < 1:
+            raise ValueError(f"DeepCEEStrategy(num_microbatches={num_microbatches}) must be >= 1.")
+        if num_stages is not None and num_stages < 1:
+            raise ValueError(f"DeepCEEStrategy(num_stages={num_stages}) must be >= 1.")
+        if timeout_s <= 0:
+            raise ValueError(f"DeepCEEStrategy(timeout_s={timeout_s}) must be > 0.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self._partition_arg = _normalise_partition(partition)
+        self.schedule_kind = schedule
+        self.num_microbatches = num_microbatches
+        self._num_stages_arg = num_stages
+        self.verbose = verbose
+        self.ranges: list[tuple[int, int]] = []
+        self.spec: PipelineSpec | None = None
+        self.stage: Stage | None = None
+        self._executor: PipelineExecutor | None = None
+        self._eval_executor: PipelineExecutor | None = None
+        self._stage_group: Any = None
+        self._pending_grads: list[torch.Tensor | None] | None = None
+        self.last_step_stats: StepStats | None = None
+        self.last_step_samples = 0
+        self.last_step_tokens: int | None = None
+
+    # ----------------------------------------------------------------------------- layout
+    @property
+    def num_stages(self) -> int:
+        """Pipeline depth (stages per replica)."""
+        return self._num_stages_arg or self.world_size
+
+    @property
+    def num_replicas(self) -> int:
+        """Data-parallel pipeline replicas."""
+        return self.world_size // self.num_stages
+
+    @property
+    def stage_index(self) -> int:
+        return self.global_rank % self.num_stages
+
+    @property
+    def replica_index(self) -> int:
+        return self.global_rank // self.num_stages
+
+    def _rank_of(self, stage: int) -> int:
+        return self.replica_index * self.num_stages + stage
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Shard by pipeline replica only: every stage of one pipeline sees the same batch.
+        return {"num_replicas": self.num_replicas, "rank": self.replica_index}
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_plugin = (
+            None if precision_plugin is None else wrap_precision(precision_plugin)
+        )
+
+    # ------------------------------------------------------------------------------ setup
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.world_size % self.num_stages:
+            raise ValueError(
+                f"DeepCEEStrategy(num_stages={self.num_stages}) must divide the number of "
+                f"processes ({self.world_size})."
+            )
+        # Every rank creates every stage group, in the same order (new_group is collective).
+        for s in range(self.num_stages):
+            ranks = [d * self.num_stages + s for d in range(self.num_replicas)]
+            group = dist.new_group(ranks) if self.num_replicas > 1 else None
+            if s == self.stage_index:
+                self._stage_group = group
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        self.spec = get_pipeline_spec(module)
+        num_blocks = len(self.spec.blocks)
+        if self.num_stages > num_blocks:
+            raise ValueError(
+                f"DeepCEEStrategy: {self.num_stages} pipeline stages but "
+                f"{type(module).__name__}.configure_pipeline() returns only {num_blocks} blocks. "
+                f"Use at most {num_blocks} stages (num_stages or fewer devices), or split the "
+                "model into more blocks."
+            )
+        self.ranges = self._resolve_partition(num_blocks)
+        self.stage = build_stage(module, self.spec, self.ranges, self.stage_index)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # The global-norm clip divides the all-reduced squared norm by the replica count.
+        self.precision_plugin.num_replicas = self.num_replicas  # type: ignore[attr-defined]
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._build_executors()
+        if self.verbose:
+            rank_zero_info(self.describe())
+
+    def _resolve_partition(self, num_blocks: int) -> list[tuple[int, int]]:
+        if self._partition_arg is None:
+            assert self.spec is not None
+            weights = [sum(p.numel() for p in b.parameters()) + 1 for b in self.spec.blocks]
+            return balanced_partition(weights, self.num_stages)
+        ranges = self._partition_arg
+        if len(ranges) != self.num_stages:
+            raise ValueError(
+                f"DeepCEEStrategy(partition=...) has {len(ranges)} stages but the pipeline has "
+                f"{self.num_stages} (num_stages or number of processes)."
+            )
+        check_partition(ranges, num_blocks)
+        return list(ranges)
+
+    def _build_executors(self) -> None:
+        assert self.stage is not None and self.spec is not None
+        placement = {s: self._rank_of(s) for s in range(self.num_stages)}
+        common: dict[str, Any] = dict(
+            stage=self.stage,
+            transport=P2PTransport(self.root_device),
+            prev_rank=placement[self.stage_index - 1] if self.stage_index > 0 else None,
+            next_rank=(
+                placement[self.stage_index + 1] if self.stage_index < self.num_stages - 1 else None
+            ),
+            loss_fn=self.spec.loss_fn,
+            input_fn=self.spec.input_fn,
+            rank=self.global_rank,
+        )
+        m = self.num_microbatches
+        train = lower(generate(self.schedule_kind, self.num_stages, m), placement)
+        validate(train, placement, m)
+        evaluation = lower(forward_only(self.num_stages, m), placement)
+        validate(evaluation, placement, m, require_backward=False)
+        self._train_schedule = train
+        self._executor = PipelineExecutor(actions=train[self.global_rank], **common)
+        self._eval_executor = PipelineExecutor(actions=evaluation[self.global_rank], **common)
+
+    def describe(self) -> str:
+        """The partition and schedule, as printed at setup."""
+        assert self.spec is not None
+        lines = [
+            f"DeepCEEStrategy: {self.num_stages} stages x {self.num_replicas} replica(s), "
+            f"schedule {self.schedule_kind}, {self.num_microbatches} micro-batches",
+            "  stage | blocks      | parameters",
+        ]
+        for s, (a, b) in enumerate(self.ranges):
+            n = sum(p.numel() for blk in list(self.spec.blocks)[a:b] for p in blk.parameters())
+            lines.append(f"  {s:>5} | [{a:>3}, {b:>3}) | {n:,}")
+        placement = {s: s for s in range(self.num_stages)}
+        stage_sched = generate(self.schedule_kind, self.num_stages, self.num_microbatches)
+        lines.append("  schedule (rank | actions):")
+        grid = render(lower(stage_sched, placement), compute_only=True)
+        lines.extend("    " + line for line in grid.splitlines())
+        return "\n".join(lines)
+
+    # ----------------------------------------------------------------------------- steps
+    def _run(self, executor: PipelineExecutor, batch: Any) -> torch.Tensor:
+        total = batch_size_of(batch)
+        sizes = split_sizes(total, self.num_microbatches)
+        micro = split_batch(batch, sizes)
+        weights = [n / total for n in sizes]
+        loss = executor.run(micro, weights, forward_context=self.precision_plugin.forward_context)
+        value = torch.zeros((), dtype=torch.float32, device=self.root_device)
+        if loss is not None:
+            value = value + loss.detach().float()
+        # Every rank returns the real loss: the last stage of each replica contributes it.
+        dist.all_reduce(value)
+        self.last_step_samples = total * self.num_replicas
+        tokens_fn = self.spec.tokens_fn if self.spec is not None else None
+        self.last_step_tokens = tokens_fn(batch) * self.num_replicas if tokens_fn else None
+        return value / self.num_replicas
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        assert self._executor is not None and self.stage is not None
+        module = self.lightning_module
+        assert module is not None
+        params = self.stage.parameters()
+        for p in params:
+            p.grad = None
+        start = time.perf_counter()
+        loss = self._run(self._executor, args[0] if args else kwargs["batch"])
+        if self._stage_group is not None:
+            for p in params:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self._stage_group)
+                    p.grad.div_(self.num_replicas)
+        # Lightning zeroes gradients between training_step and backward: keep them aside.
+        self._pending_grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        self.last_step_stats = self._executor.last_stats
+        self.last_step_stats.wall_s = time.perf_counter() - start
+        module.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True)
+        return loss
+
+    @override
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        module = self.lightning_module
+        assert module is not None and self.stage is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if self._pending_grads is not None:
+            for p, g in zip(self.stage.parameters(), self._pending_grads, strict=True):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad + g
+            self._pending_grads = None
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _eval_step(self, name: str, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        assert self._eval_executor is not None
+        module = self.lightning_module
+        assert module is not None
+        with torch.no_grad():
+            loss = self._run(self._eval_executor, args[0] if args else kwargs["batch"])
+        module.log(name, loss, prog_bar=True, on_step=False, on_epoch=True)
+        return loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._eval_step("val_loss", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._eval_step("test_loss", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "DeepCEEStrategy does not run predict(); consolidate the checkpoint with "
+            "`deepcee consolidate` and predict with the plain module."
+        )
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        # Micro-batching inside the schedule replaces accumulate_grad_batches.
+        return True
+
+    # ------------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError("DeepCEEStrategy.save_checkpoint does not take storage_options.")
+        layout = {
+            "num_stages": self.num_stages,
+            "ranges": self.ranges,
+            "schedule": self.schedule_kind,
+            "num_microbatches": self.num_microbatches,
+        }
+        save_sharded(
+            checkpoint,
+            Path(filepath),
+            stage_index=self.stage_index,
+            write_shard=self.replica_index == 0,
+            write_meta=self.is_global_zero,
+            layout=layout,
+        )
+        self.barrier("DeepCEEStrategy.save_checkpoint")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
+        return load_sharded(
+            Path(checkpoint_path), stage_index=self.stage_index, expected_ranges=self.ranges
+        )
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            import shutil
+
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="DeepCEE pipeline strategy", override=True
+        )
+
+
+def _normalise_partition(
+    partition: Sequence[int] | Sequence[Sequence[int]] | None,
+) -> list[tuple[int, int]] | None:
+    if partition is None:
+        return None
+    items = list(partition)
+    if not items:
+        raise ValueError("DeepCEEStrategy(partition=[]) needs at least one stage.")
+    if all(isinstance(x, int) for x in items):
+        sizes = [int(x) for x in items if isinstance(x, int)]
+        if any(n < 1 for n in sizes):
+            raise ValueError(f"DeepCEEStrategy(partition={sizes}): stage sizes must be >= 1.")
+        return partition_from_sizes(sizes)
+    ranges = []
+    for x in items:
+        pair = list(x) if isinstance(x, Sequence) else [x]
+        if len(pair) != 2:
+            raise ValueError(
+                f"DeepCEEStrategy(partition=...): expected stage sizes like [3, 2, 3] or block "
+                f"ranges like [[0, 3], [3, 5]], got {partition}."
+            )
+        ranges.append((_as_int(pair[0]), _as_int(pair[1])))
+    return ranges
+
+
+def _as_int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"DeepCEEStrategy(partition=...): {value!r} is not a block index.")
+    return value

@@ -1,0 +1,108 @@
+"""Worker for the Lightning equivalence tests; run under torchrun (one process per stage).
+
+    torchrun --nproc_per_node=N tests/multiprocess/_fit_worker.py OUT_DIR CONFIGS_JSON
+
+For each config it trains the small test model with DeepCEEStrategy and writes every rank's
+trained parameters (global names) to ``OUT_DIR/<name>/rank<r>.pt``; a config with
+``"expect_error"`` records the error message instead. The test process compares with a
+single-process reference run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _models import TinyNet, make_loader
+
+from lightning_deepcee import DeepCEEStrategy, consolidate_checkpoint
+
+warnings.filterwarnings("ignore")
+
+
+def _trainer(cfg: dict[str, Any], root: Path, **overrides: Any) -> pl.Trainer:
+    strategy = DeepCEEStrategy(
+        schedule=cfg["schedule"],
+        num_microbatches=cfg["num_microbatches"],
+        partition=cfg.get("partition"),
+        num_stages=cfg.get("num_stages"),
+        verbose=False,
+    )
+    kwargs: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        strategy=strategy,
+        max_steps=cfg.get("steps", 4),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        precision=cfg.get("precision", "32-true"),
+        gradient_clip_val=cfg.get("clip"),
+        default_root_dir=str(root),
+        # Lightning's DistributedSampler always shuffles training data; the single-process
+        # reference reads in order, so only the multi-replica config (whose reference rebuilds
+        # the sampler's order) keeps it.
+        use_distributed_sampler=cfg.get("num_stages") is not None,
+    )
+    kwargs.update(overrides)
+    return pl.Trainer(**kwargs)
+
+
+def _save_params(model: torch.nn.Module, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, path)
+
+
+def run(cfg: dict[str, Any], out: Path) -> None:
+    rank = int(os.environ["RANK"])
+    target = out / cfg["name"]
+    model = TinyNet(num_blocks=cfg.get("num_blocks", 6), optimizer=cfg.get("optimizer", "adamw"))
+    loader = make_loader(cfg.get("batch_size", 10), cfg.get("num_samples", 30))
+    if "expect_error" in cfg:
+        try:
+            _trainer(cfg, target).fit(model, loader)
+        except Exception as exc:
+            if rank == 0:
+                target.mkdir(parents=True, exist_ok=True)
+                (target / "error.txt").write_text(f"{type(exc).__name__}: {exc}")
+        return
+    if cfg.get("resume"):
+        # Train one epoch, save, then resume in a fresh trainer and model for a second epoch.
+        ckpt = target / "epoch1.ckpt"
+        trainer = _trainer(cfg, target, max_steps=-1, max_epochs=1)
+        trainer.fit(model, loader)
+        trainer.save_checkpoint(ckpt)
+        model = TinyNet(
+            num_blocks=cfg.get("num_blocks", 6), optimizer=cfg.get("optimizer", "adamw")
+        )
+        _trainer(cfg, target, max_steps=-1, max_epochs=2).fit(model, loader, ckpt_path=ckpt)
+        _save_params(model, target / f"rank{rank}.pt")
+        return
+    trainer = _trainer(cfg, target)
+    trainer.fit(model, loader)
+    _save_params(model, target / f"rank{rank}.pt")
+    if cfg.get("consolidate"):
+        trainer.save_checkpoint(target / "final.ckpt")
+        if rank == 0:
+            torch.save(consolidate_checkpoint(target / "final.ckpt"), target / "consolidated.pt")
+        trainer.strategy.barrier()
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    for cfg in json.loads(Path(sys.argv[2]).read_text()):
+        run(cfg, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""DeepCEEStrategy under Lightning equals single-process training, parameter by parameter.
+
+Each test launches one ``torchrun`` job (the multi-node environment-variable path) that trains
+the tiny model once per config; the parameters after several optimizer steps must equal a
+single-process Lightning run on the whole batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _models import TinyNet, make_loader
+
+pytestmark = pytest.mark.multiprocess
+WORKER = Path(__file__).with_name("_fit_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(world: int, configs: list[dict[str, Any]], out: Path) -> None:
+    cfg_file = out / "configs.json"
+    cfg_file.write_text(json.dumps(configs))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+        "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+        str(WORKER), str(out), str(cfg_file),
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def _replica_batches(num_samples: int, replicas: int, per_replica: int) -> list[list[int]]:
+    """The global batches that ``replicas`` DistributedSampler shards (shuffle, seed 0) form."""
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(0)).tolist()
+    shards = [order[r::replicas] for r in range(replicas)]
+    steps = len(shards[0]) // per_replica
+    return [
+        [i for shard in shards for i in shard[k * per_replica : (k + 1) * per_replica]]
+        for k in range(steps)
+    ]
+
+
+def _reference(steps: int, clip: float | None = None, optimizer: str = "adamw", **kw: Any) -> dict:
+    warnings.filterwarnings("ignore")
+    model = TinyNet(num_blocks=kw.get("num_blocks", 6), optimizer=optimizer)
+    loader = make_loader(kw.get("batch_size", 10), kw.get("num_samples", 30))
+    if "batch_sampler" in kw:
+        loader = DataLoader(loader.dataset, batch_sampler=kw["batch_sampler"])
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip,
+        precision=kw.get("precision", "32-true"),
+    )  # fmt: skip
+    trainer.fit(model, loader)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _merged(directory: Path, world: int) -> dict[str, torch.Tensor]:
+    merged: dict[str, torch.Tensor] = {}
+    for r in range(world):
+        part = torch.load(directory / f"rank{r}.pt")
+        for k, v in part.items():
+            if k in merged:  # data-parallel replicas hold identical copies of a stage
+                torch.testing.assert_close(v, merged[k], rtol=0, atol=0)
+            merged[k] = v
+    return merged
+
+
+def _assert_equal(got: dict, ref: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert got.keys() == ref.keys()
+    for k in ref:
+        try:
+            torch.testing.assert_close(got[k], ref[k], rtol=rtol, atol=atol)
+        except AssertionError as exc:
+            raise AssertionError(f"parameter {k}: {exc}") from None
+
+
+GRID = [
+    (kind, m) for kind in ("gpipe", "1f1b", "zb-h1") for m in (1, 3, 4)
+]  # batch 10 into 3 or 4 micro-batches: uneven (4, 3, 3) and (3, 3, 2, 2)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_schedules_match_single_process(tmp_path: Path, world: int) -> None:
+    configs: list[dict[str, Any]] = [
+        {"name": f"{kind}-m{m}", "schedule": kind, "num_microbatches": m, "steps": 4}
+        for kind, m in GRID
+    ]
+    # Explicit uneven partition, SGD with momentum and global-norm clipping that bites.
+    configs.append(
+        {"name": "clip", "schedule": "zb-h1", "num_microbatches": 4, "steps": 4, "clip": 0.05,
+         "optimizer": "sgd", "partition": [1] * (world - 1) + [6 - (world - 1)]}
+    )  # fmt: skip
+    _launch(world, configs, tmp_path)
+    ref = _reference(4)
+    for kind, m in GRID:
+        _assert_equal(_merged(tmp_path / f"{kind}-m{m}", world), ref)
+    _assert_equal(_merged(tmp_path / "clip", world), _reference(4, clip=0.05, optimizer="sgd"))
+
+
+def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
+    world = 4
+    configs: list[dict[str, Any]] = [
+        {"name": "resume", "schedule": "1f1b", "num_microbatches": 3, "resume": True},
+        {"name": "cons", "schedule": "gpipe", "num_microbatches": 2, "steps": 3,
+         "consolidate": True},
+        # 2 stages x 2 data-parallel replicas, each reading its own shard of the data.
+        {"name": "replicas", "schedule": "zb-h1", "num_microbatches": 3, "steps": 3,
+         "num_stages": 2, "batch_size": 10, "num_samples": 60},  # 10 per replica, 20 per step
+        {"name": "bf16", "schedule": "zb-h1", "num_microbatches": 2, "steps": 3,
+         "precision": "bf16-mixed"},
+        {"name": "toomany", "schedule": "1f1b", "num_microbatches": 2, "num_blocks": 3,
+         "expect_error": True},
+        {"name": "smallbatch", "schedule": "1f1b", "num_microbatches": 4, "batch_size": 3,
+         "num_samples": 6, "expect_error": True},
+    ]  # fmt: skip
+    _launch(world, configs, tmp_path)
+    # Resume after one epoch (3 steps) equals the uninterrupted 6-step run.
+    _assert_equal(_merged(tmp_path / "resume", world), _reference(6))
+    # Consolidated checkpoint loads into the unsplit module and equals the trained shards.
+    consolidated = torch.load(tmp_path / "cons" / "consolidated.pt")
+    TinyNet().load_state_dict(consolidated, strict=True)
+    _assert_equal(consolidated, _merged(tmp_path / "cons", world), rtol=0, atol=0)
+    _assert_equal(consolidated, _reference(3))
+    _assert_equal(
+        _merged(tmp_path / "replicas", world),
+        _reference(3, num_samples=60, batch_sampler=_replica_batches(60, 2, per_replica=10)),
+    )
+    # bf16 autocast: same trajectory as single-process bf16-mixed within bf16 rounding.
+    _assert_equal(
+        _merged(tmp_path / "bf16", world), _reference(3, precision="bf16-mixed"), 2e-2, 2e-2
+    )
+    err = (tmp_path / "toomany" / "error.txt").read_text()
+    assert "4 pipeline stages" in err and "only 3 blocks" in err
+    err = (tmp_path / "smallbatch" / "error.txt").read_text()
+    assert "cannot be split into 4 micro-batches" in err
