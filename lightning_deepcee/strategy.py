@@ -1,7 +1,8 @@
 """DeepCEEStrategy: trains a LightningModule as a pipeline over several processes.
 
-Layout: ``world_size = num_stages * num_replicas``; global rank ``r`` runs stage
-``r % num_stages`` of pipeline replica ``r // num_stages``. Each replica sees its own share of
+Layout: ``world_size = num_stages * num_replicas``. By default global rank ``r`` runs stage
+``r % num_stages`` of pipeline replica ``r // num_stages``; ``placement`` puts stages on any
+ranks (e.g. to follow the network: one stage per region). Each replica sees its own share of
 the data (the sampler shards by replica, never by stage) and the gradients of one stage are
 averaged over its replicas in a per-stage process group.
 
@@ -68,6 +69,8 @@ class DeepCEEStrategy(DDPStrategy):
             samples. Uneven splits are fine.
         num_stages: pipeline depth; ``None`` uses one stage per process. Must divide the world
             size; the quotient is the number of data-parallel pipeline replicas.
+        placement: the global ranks of each stage, one per replica, e.g. ``[[2], [0], [1]]`` runs
+            stage 0 on rank 2. ``None`` places stage ``s`` of replica ``d`` on ``d * S + s``.
         timeout_s: seconds a collective or transfer may block before the process group fails.
         verbose: print the partition and schedule on rank 0 at setup.
     """
@@ -80,6 +83,7 @@ class DeepCEEStrategy(DDPStrategy):
         schedule: str = "1f1b",
         num_microbatches: int = 4,
         num_stages: int | None = None,
+        placement: Sequence[Sequence[int]] | None = None,
         timeout_s: float = 1800.0,
         verbose: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -112,6 +116,14 @@ class DeepCEEStrategy(DDPStrategy):
         self._partition_arg = _normalise_partition(partition)
         self.schedule_kind = schedule
         self.num_microbatches = num_microbatches
+        self._placement_arg = _normalise_placement(placement)
+        if self._placement_arg is not None:
+            if num_stages is not None and num_stages != len(self._placement_arg):
+                raise ValueError(
+                    f"DeepCEEStrategy(num_stages={num_stages}) disagrees with placement, which "
+                    f"has {len(self._placement_arg)} stages."
+                )
+            num_stages = len(self._placement_arg)
         self._num_stages_arg = num_stages
         self.verbose = verbose
         self.ranges: list[tuple[int, int]] = []
@@ -137,15 +149,29 @@ class DeepCEEStrategy(DDPStrategy):
         return self.world_size // self.num_stages
 
     @property
+    def placement(self) -> list[list[int]]:
+        """Global ranks of each stage, one per replica."""
+        if self._placement_arg is not None:
+            return [list(r) for r in self._placement_arg]
+        s, d = self.num_stages, self.num_replicas
+        return [[r * s + stage for r in range(d)] for stage in range(s)]
+
+    def _where(self) -> tuple[int, int]:
+        for stage, ranks in enumerate(self.placement):
+            if self.global_rank in ranks:
+                return stage, ranks.index(self.global_rank)
+        raise ValueError(f"Rank {self.global_rank} is in no stage of placement {self.placement}.")
+
+    @property
     def stage_index(self) -> int:
-        return self.global_rank % self.num_stages
+        return self._where()[0]
 
     @property
     def replica_index(self) -> int:
-        return self.global_rank // self.num_stages
+        return self._where()[1]
 
     def _rank_of(self, stage: int) -> int:
-        return self.replica_index * self.num_stages + stage
+        return self.placement[stage][self.replica_index]
 
     @property
     @override
@@ -174,9 +200,17 @@ class DeepCEEStrategy(DDPStrategy):
                 f"DeepCEEStrategy(num_stages={self.num_stages}) must divide the number of "
                 f"processes ({self.world_size})."
             )
+        flat = sorted(r for ranks in self.placement for r in ranks)
+        if (
+            flat != list(range(self.world_size))
+            or len({len(ranks) for ranks in self.placement}) != 1
+        ):
+            raise ValueError(
+                f"DeepCEEStrategy(placement={self.placement}) must list every rank 0.."
+                f"{self.world_size - 1} exactly once, with as many ranks in every stage."
+            )
         # Every rank creates every stage group, in the same order (new_group is collective).
-        for s in range(self.num_stages):
-            ranks = [d * self.num_stages + s for d in range(self.num_replicas)]
+        for s, ranks in enumerate(self.placement):
             group = dist.new_group(ranks) if self.num_replicas > 1 else None
             if s == self.stage_index:
                 self._stage_group = group
@@ -254,14 +288,15 @@ class DeepCEEStrategy(DDPStrategy):
         lines = [
             f"DeepCEEStrategy: {self.num_stages} stages x {self.num_replicas} replica(s), "
             f"schedule {self.schedule_kind}, {self.num_microbatches} micro-batches",
-            "  stage | blocks      | parameters",
+            "  stage | blocks      | ranks        | parameters",
         ]
         for s, (a, b) in enumerate(self.ranges):
             n = sum(p.numel() for blk in list(self.spec.blocks)[a:b] for p in blk.parameters())
-            lines.append(f"  {s:>5} | [{a:>3}, {b:>3}) | {n:,}")
+            ranks = ",".join(str(r) for r in self.placement[s])
+            lines.append(f"  {s:>5} | [{a:>3}, {b:>3}) | {ranks:<12} | {n:,}")
         placement = {s: s for s in range(self.num_stages)}
         stage_sched = generate(self.schedule_kind, self.num_stages, self.num_microbatches)
-        lines.append("  schedule (rank | actions):")
+        lines.append("  schedule (stage | actions):")
         grid = render(lower(stage_sched, placement), compute_only=True)
         lines.extend("    " + line for line in grid.splitlines())
         return "\n".join(lines)
@@ -427,5 +462,14 @@ def _normalise_partition(
 
 def _as_int(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"DeepCEEStrategy(partition=...): {value!r} is not a block index.")
+        raise ValueError(f"DeepCEEStrategy: {value!r} in partition/placement is not an integer.")
     return value
+
+
+def _normalise_placement(placement: Sequence[Sequence[int]] | None) -> list[tuple[int, ...]] | None:
+    if placement is None:
+        return None
+    out = [tuple(_as_int(r) for r in ranks) for ranks in placement]
+    if not out or any(not ranks for ranks in out):
+        raise ValueError(f"DeepCEEStrategy(placement={placement}) needs ranks for every stage.")
+    return out

@@ -34,6 +34,7 @@ def _trainer(cfg: dict[str, Any], root: Path, **overrides: Any) -> pl.Trainer:
         num_microbatches=cfg["num_microbatches"],
         partition=cfg.get("partition"),
         num_stages=cfg.get("num_stages"),
+        placement=cfg.get("placement"),
         verbose=False,
     )
     kwargs: dict[str, Any] = dict(

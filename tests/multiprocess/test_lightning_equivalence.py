@@ -125,6 +125,9 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
         # 2 stages x 2 data-parallel replicas, each reading its own shard of the data.
         {"name": "replicas", "schedule": "zb-h1", "num_microbatches": 3, "steps": 3,
          "num_stages": 2, "batch_size": 10, "num_samples": 60},  # 10 per replica, 20 per step
+        # Stages placed against rank order (as the planner does to follow the network).
+        {"name": "placed", "schedule": "zb-h1", "num_microbatches": 3, "steps": 3,
+         "placement": [[2], [0], [3], [1]]},
         {"name": "bf16", "schedule": "zb-h1", "num_microbatches": 2, "steps": 3,
          "precision": "bf16-mixed"},
         {"name": "toomany", "schedule": "1f1b", "num_microbatches": 2, "num_blocks": 3,
@@ -144,6 +147,7 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
         _merged(tmp_path / "replicas", world),
         _reference(3, num_samples=60, batch_sampler=_replica_batches(60, 2, per_replica=10)),
     )
+    _assert_equal(_merged(tmp_path / "placed", world), _reference(3))
     # bf16 autocast: same trajectory as single-process bf16-mixed within bf16 rounding.
     _assert_equal(
         _merged(tmp_path / "bf16", world), _reference(3, precision="bf16-mixed"), 2e-2, 2e-2
