@@ -38,6 +38,7 @@ from typing_extensions import override
 from lightning_deepcee.checkpoint import load_sharded, save_sharded
 from lightning_deepcee.planner import balanced_partition, check_partition, partition_from_sizes
 from lightning_deepcee.precision import wrap_precision
+from lightning_deepcee.profiler import ClusterProfile, DeviceGroups, group_devices
 from lightning_deepcee.runtime import (
     P2PTransport,
     PipelineExecutor,
@@ -50,6 +51,7 @@ from lightning_deepcee.runtime import (
     split_sizes,
 )
 from lightning_deepcee.runtime.executor import StepStats
+from lightning_deepcee.runtime.measure import profile_cluster, profile_or_load
 from lightning_deepcee.schedule import SCHEDULE_KINDS, generate, lower, render, validate
 from lightning_deepcee.schedule.generators import forward_only
 
@@ -71,6 +73,13 @@ class DeepCEEStrategy(DDPStrategy):
             size; the quotient is the number of data-parallel pipeline replicas.
         placement: the global ranks of each stage, one per replica, e.g. ``[[2], [0], [1]]`` runs
             stage 0 on rank 2. ``None`` places stage ``s`` of replica ``d`` on ``d * S + s``.
+        profile: measure every device (per-block forward / input-gradient / weight-gradient
+            times on the first training micro-batch, memory) and every link (latency and
+            bandwidth, rounds of disjoint pairs) at setup, group devices, and print the table.
+        profile_cache: a JSON/YAML file that caches the profile; reused only while the model
+            and the cluster are unchanged (otherwise re-measured with a warning).
+        profile_budget_s: the network measurement fails with an error naming the pair it was
+            measuring when it takes longer than this.
         timeout_s: seconds a collective or transfer may block before the process group fails.
         verbose: print the partition and schedule on rank 0 at setup.
     """
@@ -84,6 +93,9 @@ class DeepCEEStrategy(DDPStrategy):
         num_microbatches: int = 4,
         num_stages: int | None = None,
         placement: Sequence[Sequence[int]] | None = None,
+        profile: bool = False,
+        profile_cache: str | None = None,
+        profile_budget_s: float = 60.0,
         timeout_s: float = 1800.0,
         verbose: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -125,6 +137,13 @@ class DeepCEEStrategy(DDPStrategy):
                 )
             num_stages = len(self._placement_arg)
         self._num_stages_arg = num_stages
+        if profile_budget_s <= 0:
+            raise ValueError(f"DeepCEEStrategy(profile_budget_s={profile_budget_s}) must be > 0.")
+        self.profile = profile or profile_cache is not None
+        self.profile_cache = profile_cache
+        self.profile_budget_s = profile_budget_s
+        self.cluster_profile: ClusterProfile | None = None
+        self.device_groups: DeviceGroups | None = None
         self.verbose = verbose
         self.ranges: list[tuple[int, int]] = []
         self.spec: PipelineSpec | None = None
@@ -230,6 +249,8 @@ class DeepCEEStrategy(DDPStrategy):
                 f"Use at most {num_blocks} stages (num_stages or fewer devices), or split the "
                 "model into more blocks."
             )
+        if self.profile and trainer.state.fn == TrainerFn.FITTING:
+            self._profile_cluster(trainer)
         self.ranges = self._resolve_partition(num_blocks)
         self.stage = build_stage(module, self.spec, self.ranges, self.stage_index)
         self.precision_plugin.convert_module(self.model)
@@ -244,6 +265,31 @@ class DeepCEEStrategy(DDPStrategy):
         self._build_executors()
         if self.verbose:
             rank_zero_info(self.describe())
+
+    def _profile_cluster(self, trainer: pl.Trainer) -> None:
+        """Measure devices and links on the first training micro-batch (all ranks)."""
+        assert self.spec is not None
+        loader = trainer.fit_loop._data_source.dataloader()
+        batch = next(iter(loader))
+        batch = self.batch_to_device(batch)
+        micro = split_batch(batch, split_sizes(batch_size_of(batch), self.num_microbatches))[0]
+        options: dict[str, Any] = dict(
+            loss_fn=self.spec.loss_fn,
+            sample_batch=micro,
+            device=self.root_device,
+            budget_s=self.profile_budget_s,
+        )
+        blocks, sample = list(self.spec.blocks), self.spec.input_fn(micro)
+        if self.profile_cache is not None:
+            profile = profile_or_load(self.profile_cache, blocks, sample, **options)
+        else:
+            profile = profile_cluster(blocks, sample, **options)
+        self.cluster_profile = profile
+        self.device_groups = group_devices(profile)
+        rank_zero_info(format_cluster(profile, self.device_groups))
+        metrics = {f"deepcee/capability_rank{d.rank}": d.capability for d in profile.devices}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=0)
 
     def _resolve_partition(self, num_blocks: int) -> list[tuple[int, int]]:
         if self._partition_arg is None:
@@ -473,3 +519,23 @@ def _normalise_placement(placement: Sequence[Sequence[int]] | None) -> list[tupl
     if not out or any(not ranks for ranks in out):
         raise ValueError(f"DeepCEEStrategy(placement={placement}) needs ranks for every stage.")
     return out
+
+
+def format_cluster(profile: ClusterProfile, groups: DeviceGroups) -> str:
+    """The profiling table printed at setup: devices, groups, memory and the bandwidth matrix."""
+    lines = ["DeepCEE cluster profile:", groups.format_table(profile)]
+    lines.append("  rank | memory GiB | F+B+W s/step (sum of blocks)")
+    for d in profile.devices:
+        total = sum(d.forward_s) + sum(d.backward_input_s) + sum(d.backward_weight_s)
+        lines.append(f"  {d.rank:>4} | {d.memory_bytes / 2**30:>10.1f} | {total:.4f}")
+    lines.append("  bandwidth Mbit/s (row sends to column), latency ms:")
+    n = profile.num_devices
+    lines.append("        " + "".join(f"{j:>10}" for j in range(n)))
+    for i in range(n):
+        cells = []
+        for j in range(n):
+            bw = profile.bandwidth_bytes_per_s[i][j]
+            lat = profile.latency_s[i][j]
+            cells.append("         -" if i == j else f"{bw * 8 / 1e6:>6.0f}/{lat * 1e3:<3.1f}")
+        lines.append(f"  {i:>4}  " + "".join(f"{c:>10}" for c in cells))
+    return "\n".join(lines)

@@ -1,6 +1,16 @@
 """Runtime: stage construction, point-to-point transport and the schedule executor."""
 
 from lightning_deepcee.runtime.executor import PipelineExecutionError, PipelineExecutor, StepStats
+from lightning_deepcee.runtime.measure import (
+    BlockTimings,
+    NetworkMeasurement,
+    ProfilingTimeoutError,
+    available_memory_bytes,
+    measure_blocks,
+    measure_network,
+    profile_cluster,
+    profile_or_load,
+)
 from lightning_deepcee.runtime.stage import (
     PipelineSpec,
     Stage,
@@ -14,17 +24,25 @@ from lightning_deepcee.runtime.stage import (
 from lightning_deepcee.runtime.transport import P2PTransport, TransferRecord
 
 __all__ = [
+    "BlockTimings",
+    "NetworkMeasurement",
     "P2PTransport",
     "PipelineExecutionError",
     "PipelineExecutor",
     "PipelineSpec",
+    "ProfilingTimeoutError",
     "Stage",
     "StepStats",
     "TransferRecord",
+    "available_memory_bytes",
     "batch_size_of",
     "build_stage",
     "default_input_fn",
     "get_pipeline_spec",
+    "measure_blocks",
+    "measure_network",
+    "profile_cluster",
+    "profile_or_load",
     "split_batch",
     "split_sizes",
 ]

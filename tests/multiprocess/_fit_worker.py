@@ -35,6 +35,7 @@ def _trainer(cfg: dict[str, Any], root: Path, **overrides: Any) -> pl.Trainer:
         partition=cfg.get("partition"),
         num_stages=cfg.get("num_stages"),
         placement=cfg.get("placement"),
+        profile_cache=str(root / "profile.yaml") if cfg.get("profile") else None,
         verbose=False,
     )
     kwargs: dict[str, Any] = dict(

@@ -21,6 +21,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_deepcee.profiler import ClusterProfile
+
 sys.path.insert(0, os.path.dirname(__file__))
 from _models import TinyNet, make_loader
 
@@ -128,6 +130,9 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
         # Stages placed against rank order (as the planner does to follow the network).
         {"name": "placed", "schedule": "zb-h1", "num_microbatches": 3, "steps": 3,
          "placement": [[2], [0], [3], [1]]},
+        # Profiling at setup measures blocks and links without disturbing training.
+        {"name": "profiled", "schedule": "1f1b", "num_microbatches": 2, "steps": 3,
+         "profile": True},
         {"name": "bf16", "schedule": "zb-h1", "num_microbatches": 2, "steps": 3,
          "precision": "bf16-mixed"},
         {"name": "toomany", "schedule": "1f1b", "num_microbatches": 2, "num_blocks": 3,
@@ -148,6 +153,10 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
         _reference(3, num_samples=60, batch_sampler=_replica_batches(60, 2, per_replica=10)),
     )
     _assert_equal(_merged(tmp_path / "placed", world), _reference(3))
+    _assert_equal(_merged(tmp_path / "profiled", world), _reference(3))
+    profile = ClusterProfile.from_yaml(tmp_path / "profiled" / "profile.yaml")
+    assert profile.num_devices == world and profile.num_blocks == 6
+    assert all(min(d.forward_s) > 0 for d in profile.devices)
     # bf16 autocast: same trajectory as single-process bf16-mixed within bf16 rounding.
     _assert_equal(
         _merged(tmp_path / "bf16", world), _reference(3, precision="bf16-mixed"), 2e-2, 2e-2

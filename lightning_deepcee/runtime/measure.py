@@ -1,0 +1,821 @@
+"""Measurement: time the model's blocks on this device and every link between devices.
+
+This module owns the benchmarks behind a :class:`~lightning_deepcee.profiler.ClusterProfile`
+(the pure data types live in ``profiler/data.py``; this is the torch side):
+
+- :func:`measure_blocks`: forward, input-gradient (``B``) and weight-gradient (``W``) seconds of
+  each block, split exactly like the executor splits them (``stage_backward_input`` /
+  ``stage_backward_weight``), plus activation and parameter bytes.
+- :func:`available_memory_bytes`: memory this process may still use on a device.
+- :func:`measure_network`: latency and bandwidth of every ordered pair of ranks.
+- :func:`profile_cluster` / :func:`profile_or_load`: all of the above on every rank, gathered into
+  one ``ClusterProfile`` that every rank holds (and cached on disk by rank 0).
+
+Why rounds of disjoint pairs: measuring one pair at a time needs ``N(N-1)/2`` sequential steps;
+measuring all pairs at once makes every rank's NIC carry ``N-1`` streams, so each link looks
+``N-1`` times slower than it is. A round-robin tournament (the circle method) splits the pairs
+into ``N-1`` rounds (``N`` for odd ``N``, one rank idle per round) in which every rank talks to
+at most one peer, so each measurement sees an otherwise quiet link and the whole matrix costs
+about ``N`` pair measurements of wall time.
+
+Each direction of a pair is measured on its own, so asymmetric links (a slow uplink) show: the
+initiator sends a ``small_bytes`` ping and gets a ``small_bytes`` pong (latency = round trip / 2),
+then sends a ``large_bytes`` ping and gets a ``small_bytes`` pong. The two round trips differ only
+by the extra bytes going one way, so ``bandwidth = (large - small) / (rtt_large - rtt_small)``;
+echoing the large message back would average both directions. Medians over ``repeats`` reject
+noise.
+
+Time limits (a slow or dead device must never hang setup silently):
+
+- ``budget_s`` bounds the whole network measurement. The initiator of each pair checks it before
+  every ping and tells its peer in the ping itself; at the end of each round all ranks exchange
+  which pair (if any) ran out, so *every* rank raises :class:`ProfilingTimeoutError` naming that
+  pair, instead of some ranks waiting forever for a peer that gave up.
+- A device that never answers is bounded by ``op_timeout_s`` if given, else by the process
+  group's timeout (``init_process_group(timeout=...)``, 30 min by default for gloo). The error
+  from ``torch.distributed`` is re-raised as ``ProfilingTimeoutError`` naming the silent peer's
+  rank and host. The other ranks then fail in the next collective, also within the timeout.
+
+Runtime layer: torch and torch.distributed, never lightning.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+from lightning_deepcee.profiler.data import (
+    ClusterProfile,
+    DeviceProfile,
+    capability_score,
+    fingerprint,
+    fingerprint_cluster,
+    load_cached_profile,
+)
+
+__all__ = [
+    "DEVICE_KIND_ENV",
+    "BlockTimings",
+    "NetworkMeasurement",
+    "ProfilingTimeoutError",
+    "available_memory_bytes",
+    "measure_blocks",
+    "measure_network",
+    "model_fingerprint",
+    "profile_cluster",
+    "profile_or_load",
+    "round_robin_rounds",
+]
+
+DEVICE_KIND_ENV = "DEEPCEE_DEVICE_KIND"
+"""Environment variable naming this device's class (``cloud``, ``edge``, ``end``, ...); when
+unset the kind is the torch device type (``cpu``, ``cuda``)."""
+
+LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
+
+# Ping header: byte 0 of every small ping says whether the initiator goes on.
+_CONTINUE = 1
+_STOP = 2
+
+
+class ProfilingTimeoutError(RuntimeError):
+    """Profiling ran past its time budget, or a peer did not answer within the timeout."""
+
+
+# --------------------------------------------------------------------------------------------
+# Blocks
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockTimings:
+    """What :func:`measure_blocks` measured; lists are per block, in block order."""
+
+    forward_s: tuple[float, ...]
+    """Median seconds of each block's forward (the last block's includes ``loss_fn``)."""
+    backward_input_s: tuple[float, ...]
+    """Median seconds of each block's input gradient (``B``); 0 when its input needs none."""
+    backward_weight_s: tuple[float, ...]
+    """Median seconds of each block's weight gradient (``W``); the whole backward when ``B`` is
+    0."""
+    activation_bytes: tuple[int, ...]
+    """Bytes of each block's output per sample (rounded up)."""
+    parameter_bytes: tuple[int, ...]
+    """Bytes of each block's parameters."""
+    microbatch_size: int
+    """Samples in the measured micro-batch (``sample_input.shape[0]``)."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of blocks measured."""
+        return len(self.forward_s)
+
+
+def measure_blocks(
+    blocks: Sequence[nn.Module],
+    sample_input: torch.Tensor,
+    *,
+    loss_fn: LossFn | None = None,
+    sample_batch: Any = None,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> BlockTimings:
+    """Time forward, ``B`` and ``W`` of each block on one micro-batch, on ``sample_input.device``.
+
+    Block ``i`` gets the output of block ``i-1`` (block 0 gets ``sample_input``). Each block runs
+    ``warmup`` untimed then ``repeats`` timed iterations; the median is kept. Backward starts
+    from a random gradient of the block output's shape, except for the last block when
+    ``loss_fn`` is given: then its forward includes ``loss_fn(output, sample_batch)`` and its
+    backward starts from that loss, as in the last pipeline stage.
+
+    A block whose input needs no gradient has ``B = 0`` and ``W`` = its whole backward. That is
+    always block 0 (the data, token ids or features, never needs a gradient; the executor runs
+    the first stage's backward whole) and any block fed a non-floating-point tensor.
+
+    Side-effect free: parameters are not updated, each parameter's ``.grad`` is restored (to
+    ``None`` if it was unset), buffers (BatchNorm statistics) are restored and the global RNG
+    state (dropout) is forked. Modules stay in their current train/eval mode.
+    """
+    blocks = list(blocks)
+    _check_measure_arguments(blocks, sample_input, loss_fn, sample_batch, repeats, warmup)
+    device = sample_input.device
+    rng_devices = [device.index or 0] if device.type == "cuda" else []
+    with _RestoredState(blocks), torch.random.fork_rng(devices=rng_devices):
+        inputs = _block_inputs(blocks, sample_input)
+        forward, backward_input, backward_weight, activation = [], [], [], []
+        for index, block in enumerate(blocks):
+            is_last = index == len(blocks) - 1
+            step_loss = loss_fn if is_last else None
+            times = [
+                _time_block(block, inputs[index], index == 0, step_loss, sample_batch)
+                for _ in range(warmup + repeats)
+            ][warmup:]
+            forward.append(statistics.median(t[0] for t in times))
+            backward_input.append(statistics.median(t[1] for t in times))
+            backward_weight.append(statistics.median(t[2] for t in times))
+            output = inputs[index + 1]
+            activation.append(math.ceil(output.numel() * output.element_size() / len(sample_input)))
+    return BlockTimings(
+        forward_s=tuple(forward),
+        backward_input_s=tuple(backward_input),
+        backward_weight_s=tuple(backward_weight),
+        activation_bytes=tuple(activation),
+        parameter_bytes=tuple(_parameter_bytes(block) for block in blocks),
+        microbatch_size=len(sample_input),
+    )
+
+
+def _check_measure_arguments(
+    blocks: list[nn.Module],
+    sample_input: object,
+    loss_fn: LossFn | None,
+    sample_batch: Any,
+    repeats: int,
+    warmup: int,
+) -> None:
+    if not blocks:
+        raise ValueError("blocks: expected at least one nn.Module, got 0")
+    for index, block in enumerate(blocks):
+        if not isinstance(block, nn.Module):
+            raise ValueError(f"blocks[{index}]: expected an nn.Module, got {type(block).__name__}")
+    if not isinstance(sample_input, torch.Tensor) or sample_input.dim() == 0:
+        raise ValueError(
+            "sample_input: expected a tensor with a leading batch dimension, got "
+            f"{getattr(sample_input, 'shape', type(sample_input).__name__)}"
+        )
+    if len(sample_input) == 0:
+        raise ValueError("sample_input: expected a micro-batch of at least 1 sample, got 0")
+    if loss_fn is not None and sample_batch is None:
+        raise ValueError("sample_batch: required with loss_fn (the loss reads targets from it)")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats: expected a positive integer, got {repeats!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup: expected a non-negative integer, got {warmup!r}")
+
+
+class _RestoredState:
+    """Context manager: put back every parameter's ``.grad`` and every buffer's value."""
+
+    def __init__(self, blocks: Sequence[nn.Module]) -> None:
+        self._params = _unique_parameters(blocks)
+        self._grads: list[torch.Tensor | None] = []
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._blocks = blocks
+
+    def __enter__(self) -> None:
+        self._grads = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+        seen: set[int] = set()
+        for block in self._blocks:
+            for buffer in block.buffers():
+                if id(buffer) not in seen:
+                    seen.add(id(buffer))
+                    self._buffers.append((buffer, buffer.detach().clone()))
+
+    def __exit__(self, *exc: object) -> None:
+        for p, grad in zip(self._params, self._grads, strict=True):
+            p.grad = grad
+        with torch.no_grad():
+            for buffer, saved in self._buffers:
+                buffer.copy_(saved)
+
+
+def _unique_parameters(blocks: Sequence[nn.Module]) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    params = []
+    for block in blocks:
+        for p in block.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    return params
+
+
+def _parameter_bytes(block: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in block.parameters())
+
+
+def _block_inputs(blocks: Sequence[nn.Module], sample_input: torch.Tensor) -> list[torch.Tensor]:
+    """Inputs of every block, then the last output: ``len(blocks) + 1`` detached tensors."""
+    values = [sample_input.detach()]
+    with torch.no_grad():
+        for index, block in enumerate(blocks):
+            output = block(values[-1])
+            if not isinstance(output, torch.Tensor):
+                raise ValueError(
+                    f"blocks[{index}] ({type(block).__name__}): expected a tensor output (one "
+                    f"tensor flows between pipeline stages), got {type(output).__name__}"
+                )
+            values.append(output.detach())
+    return values
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_block(
+    block: nn.Module,
+    value: torch.Tensor,
+    is_first: bool,
+    loss_fn: LossFn | None,
+    sample_batch: Any,
+) -> tuple[float, float, float]:
+    """One F, B, W of ``block`` on ``value``: seconds of each."""
+    device = value.device
+    needs_input_grad = not is_first and value.is_floating_point()
+    x = value.detach().requires_grad_(needs_input_grad)
+    params = [p for p in block.parameters() if p.requires_grad]
+    _sync(device)
+    start = time.perf_counter()
+    output = block(x)
+    root = output if loss_fn is None else loss_fn(output, sample_batch)
+    _sync(device)
+    forward_s = time.perf_counter() - start
+    if not root.requires_grad:  # no parameters and no input gradient: nothing to differentiate
+        return forward_s, 0.0, 0.0
+    grad = torch.randn_like(root) if loss_fn is None else None
+    if not needs_input_grad:
+        start = time.perf_counter()
+        torch.autograd.backward(root, grad)
+        _sync(device)
+        return forward_s, 0.0, time.perf_counter() - start
+    start = time.perf_counter()
+    _, param_groups = stage_backward_input(
+        [root], None if grad is None else [grad], [x], iter(params)
+    )
+    _sync(device)
+    mid = time.perf_counter()
+    stage_backward_weight(iter(params), param_groups)
+    _sync(device)
+    return forward_s, mid - start, time.perf_counter() - mid
+
+
+# --------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------
+
+
+def available_memory_bytes(device: torch.device | str) -> int:
+    """Bytes this process may still allocate on ``device``.
+
+    - CUDA: free memory from ``torch.cuda.mem_get_info`` (other processes' use is subtracted).
+    - Anything else (host memory): ``MemAvailable`` from ``/proc/meminfo`` (Linux: free plus
+      reclaimable page cache), capped by the cgroup v2 limit minus usage when this process runs
+      in a memory-limited container (``/sys/fs/cgroup/memory.max``), since an edge device's
+      container limit, not the host's RAM, is what the job may use. Without ``/proc/meminfo``
+      (macOS, Windows) falls back to ``os.sysconf`` available pages, then total pages; psutil is
+      not required. Raises ``RuntimeError`` if none of these exist.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return int(free_bytes)
+    available = _meminfo_available_bytes()
+    if available is None:
+        available = _sysconf_bytes()
+    if available is None:
+        raise RuntimeError(
+            f"available_memory_bytes({device}): cannot read host memory (no /proc/meminfo, no "
+            "os.sysconf page counts); declare memory_bytes in a hand-written ClusterProfile"
+        )
+    limit = _cgroup_free_bytes()
+    return available if limit is None else min(available, limit)
+
+
+def _meminfo_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes "kB" for KiB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _sysconf_bytes() -> int | None:
+    for pages in ("SC_AVPHYS_PAGES", "SC_PHYS_PAGES"):
+        try:
+            return int(os.sysconf(pages)) * int(os.sysconf("SC_PAGE_SIZE"))
+        except (AttributeError, ValueError, OSError):
+            continue
+    return None
+
+
+def _cgroup_free_bytes() -> int | None:
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        used = Path("/sys/fs/cgroup/memory.current").read_text().strip()
+        return max(int(limit) - int(used), 0)
+    except (OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Network
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NetworkMeasurement:
+    """Link matrices indexed ``[src_rank][dst_rank]`` (ranks of the measured group)."""
+
+    latency_s: tuple[tuple[float, ...], ...]
+    """One-way latency of a ``small_bytes`` message, seconds; 0 on the diagonal."""
+    bandwidth_bytes_per_s: tuple[tuple[float, ...], ...]
+    """Bytes per second from ``src`` to ``dst``; ``inf`` on the diagonal."""
+    num_rounds: int
+    """Rounds of disjoint pairs used: ``N - 1`` for even ``N``, ``N`` for odd ``N``."""
+    elapsed_s: float
+    """Wall seconds this rank spent in :func:`measure_network`."""
+
+
+def round_robin_rounds(num_ranks: int) -> list[list[tuple[int, int]]]:
+    """Split all pairs of ``num_ranks`` ranks into rounds where each rank is in at most one pair.
+
+    Circle method: rank 0 stays put, the others rotate one place per round. An odd count gets a
+    phantom rank whose partner sits the round out, so there are ``N - 1`` rounds for even ``N``
+    and ``N`` for odd ``N`` (none for a single rank). Pairs are ``(low, high)``, sorted.
+    """
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks: expected a positive integer, got {num_ranks!r}")
+    if num_ranks == 1:
+        return []
+    slots = num_ranks + num_ranks % 2
+    circle = list(range(slots))
+    rounds = []
+    for _ in range(slots - 1):
+        pairs = [
+            (min(circle[i], circle[-1 - i]), max(circle[i], circle[-1 - i]))
+            for i in range(slots // 2)
+        ]
+        rounds.append(sorted(pair for pair in pairs if pair[1] < num_ranks))
+        circle = [circle[0], circle[-1], *circle[1:-1]]
+    return rounds
+
+
+def measure_network(
+    *,
+    group: dist.ProcessGroup | None = None,
+    small_bytes: int = 1024,
+    large_bytes: int = 4 * 2**20,
+    repeats: int = 3,
+    budget_s: float = 60.0,
+    op_timeout_s: float | None = None,
+    device: torch.device | str = "cpu",
+    hosts: Sequence[str] | None = None,
+) -> NetworkMeasurement:
+    """Latency and bandwidth of every ordered pair of ranks in ``group``; collective.
+
+    Every rank of ``group`` must call it with the same arguments; every rank returns the same
+    full matrices. ``device`` holds the message buffers (``cuda`` for NCCL). ``hosts`` (one per
+    rank) only improves error messages. Raises :class:`ProfilingTimeoutError` on every rank when
+    ``budget_s`` runs out, naming the pair being measured; see the module docstring for the
+    per-operation timeout (``op_timeout_s``, default: the process group's timeout).
+    """
+    for name, value, minimum in (
+        ("small_bytes", small_bytes, 1),
+        ("large_bytes", large_bytes, 1),
+        ("repeats", repeats, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
+    if large_bytes <= small_bytes:
+        raise ValueError(
+            f"large_bytes: expected more than small_bytes ({small_bytes}) so that the difference "
+            f"measures bandwidth, got {large_bytes}"
+        )
+    if not (isinstance(budget_s, (int, float)) and budget_s > 0 and math.isfinite(budget_s)):
+        raise ValueError(
+            f"budget_s: expected a positive finite number of seconds, got {budget_s!r}"
+        )
+    if op_timeout_s is not None and not op_timeout_s > 0:
+        raise ValueError(f"op_timeout_s: expected None or positive seconds, got {op_timeout_s!r}")
+    return _measure_network(
+        group=group,
+        small_bytes=small_bytes,
+        large_bytes=large_bytes,
+        repeats=repeats,
+        budget_s=float(budget_s),
+        op_timeout_s=op_timeout_s,
+        device=torch.device(device),
+        hosts=hosts,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class _PairContext:
+    """What one rank needs to run its pair of the current round."""
+
+    rank: int
+    peer: int
+    peer_global: int
+    group: dist.ProcessGroup | None
+    device: torch.device
+    op_timeout: timedelta | None
+    hosts: Sequence[str] | None
+    deadline: float
+
+    def name(self, rank: int) -> str:
+        return f"rank {rank}" + (f" ({self.hosts[rank]})" if self.hosts else "")
+
+    def send(self, tensor: torch.Tensor) -> None:
+        self._wait(dist.isend(tensor, self.peer_global, group=self.group), "send to")
+
+    def recv(self, tensor: torch.Tensor) -> None:
+        self._wait(dist.irecv(tensor, self.peer_global, group=self.group), "receive from")
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            if self.op_timeout is None:
+                work.wait()
+            else:
+                work.wait(self.op_timeout)
+            _sync(self.device)
+        except RuntimeError as exc:
+            raise ProfilingTimeoutError(
+                f"{self.name(self.rank)}: could not {what} {self.name(self.peer)} while measuring "
+                f"their link ({exc}). The peer is unreachable or stopped answering; the limit is "
+                "op_timeout_s, else the process group timeout (init_process_group(timeout=...))."
+            ) from exc
+
+
+def _measure_network(
+    *,
+    group: dist.ProcessGroup | None,
+    small_bytes: int,
+    large_bytes: int,
+    repeats: int,
+    budget_s: float,
+    op_timeout_s: float | None,
+    device: torch.device,
+    hosts: Sequence[str] | None,
+) -> NetworkMeasurement:
+    start = time.perf_counter()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if hosts is not None and len(hosts) != world:
+        raise ValueError(f"hosts: expected {world} names (one per rank), got {len(hosts)}")
+    latency = torch.zeros(world, world, dtype=torch.float64, device=device)
+    bandwidth = torch.zeros(world, world, dtype=torch.float64, device=device)
+    rounds = round_robin_rounds(world)
+    for round_index, pairs in enumerate(rounds):
+        stopped: tuple[int, int] | None = None
+        for low, high in pairs:
+            if rank not in (low, high):
+                continue
+            peer = high if rank == low else low
+            context = _PairContext(
+                rank=rank,
+                peer=peer,
+                peer_global=peer if group is None else dist.get_global_rank(group, peer),
+                group=group,
+                device=device,
+                op_timeout=None if op_timeout_s is None else timedelta(seconds=op_timeout_s),
+                hosts=hosts,
+                deadline=start + budget_s,
+            )
+            result = _measure_pair(context, low, high, small_bytes, large_bytes, repeats)
+            if result is None:
+                stopped = (low, high)
+            else:
+                latency[rank, peer], bandwidth[rank, peer] = result
+        _raise_if_any_stopped(stopped, group, device, hosts, budget_s, start, round_index, rounds)
+    dist.all_reduce(latency, group=group)
+    dist.all_reduce(bandwidth, group=group)
+    bandwidth.fill_diagonal_(math.inf)
+    return NetworkMeasurement(
+        latency_s=tuple(tuple(row) for row in latency.cpu().tolist()),
+        bandwidth_bytes_per_s=tuple(tuple(row) for row in bandwidth.cpu().tolist()),
+        num_rounds=len(rounds),
+        elapsed_s=time.perf_counter() - start,
+    )
+
+
+def _measure_pair(
+    context: _PairContext, low: int, high: int, small_bytes: int, large_bytes: int, repeats: int
+) -> tuple[float, float] | None:
+    """Measure ``low -> high`` then ``high -> low``; return this rank's outgoing direction.
+
+    Returns ``(latency_s, bandwidth_bytes_per_s)`` from this rank to its peer, or ``None`` when
+    the budget ran out (both ranks of the pair agree, because the initiator says so in its ping).
+    """
+    small = torch.zeros(small_bytes, dtype=torch.uint8, device=context.device)
+    large = torch.zeros(large_bytes, dtype=torch.uint8, device=context.device)
+    mine: tuple[float, float] | None = None
+    for initiator in (low, high):
+        if context.rank == initiator:
+            mine = _initiate(context, small, large, repeats)
+            if mine is None:
+                return None
+        elif not _respond(context, small, large, repeats):
+            return None
+    return mine
+
+
+def _initiate(
+    context: _PairContext, small: torch.Tensor, large: torch.Tensor, repeats: int
+) -> tuple[float, float] | None:
+    small_rtt: list[float] = []
+    large_rtt: list[float] = []
+    for iteration in range(repeats + 1):  # iteration 0 warms up connections and buffers
+        go = time.perf_counter() < context.deadline
+        small[0] = _CONTINUE if go else _STOP
+        begin = time.perf_counter()
+        context.send(small)
+        if not go:
+            return None
+        context.recv(small)
+        middle = time.perf_counter()
+        context.send(large)
+        context.recv(small)
+        end = time.perf_counter()
+        if iteration > 0:
+            small_rtt.append(middle - begin)
+            large_rtt.append(end - middle)
+    small_s, large_s = statistics.median(small_rtt), statistics.median(large_rtt)
+    extra_bytes = len(large) - len(small)
+    # The extra bytes took (large_s - small_s); noise on a very fast link can make that <= 0, so
+    # fall back to the lower bound "the whole large message fit in its round trip".
+    extra_s = large_s - small_s
+    bandwidth = extra_bytes / extra_s if extra_s > 0 else len(large) / max(large_s, 1e-9)
+    return small_s / 2, bandwidth
+
+
+def _respond(context: _PairContext, small: torch.Tensor, large: torch.Tensor, repeats: int) -> bool:
+    for _ in range(repeats + 1):
+        context.recv(small)
+        if int(small[0]) == _STOP:
+            return False
+        context.send(small)
+        context.recv(large)
+        context.send(small)
+    return True
+
+
+def _raise_if_any_stopped(
+    stopped: tuple[int, int] | None,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    hosts: Sequence[str] | None,
+    budget_s: float,
+    start: float,
+    round_index: int,
+    rounds: Sequence[Sequence[tuple[int, int]]],
+) -> None:
+    """End of a round: every rank learns which pairs ran out of budget and raises alike."""
+    world = dist.get_world_size(group)
+    status = torch.full((2,), -1, dtype=torch.int64, device=device)
+    if stopped is not None:
+        status[0], status[1] = stopped
+    gathered = [torch.empty_like(status) for _ in range(world)]
+    dist.all_gather(gathered, status, group=group)
+    pairs = sorted({(int(t[0]), int(t[1])) for t in gathered if int(t[0]) >= 0})
+    if not pairs:
+        return
+
+    def name(rank: int) -> str:
+        return f"rank {rank}" + (f" ({hosts[rank]})" if hosts else "")
+
+    described = ", ".join(f"{name(a)} <-> {name(b)}" for a, b in pairs)
+    raise ProfilingTimeoutError(
+        f"network profiling ran past budget_s={budget_s:g} s after "
+        f"{time.perf_counter() - start:.3f} s, in round {round_index + 1} of {len(rounds)} while "
+        f"measuring {described}. A link this slow may be the problem; otherwise raise budget_s "
+        "or lower large_bytes / repeats."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Whole cluster
+# --------------------------------------------------------------------------------------------
+
+
+def model_fingerprint(blocks: Sequence[nn.Module]) -> str:
+    """Fingerprint of the model structure: each block's class and parameter names/shapes/dtypes."""
+    return fingerprint(
+        [
+            {
+                "class": f"{type(block).__module__}.{type(block).__qualname__}",
+                "parameters": [
+                    [name, list(p.shape), str(p.dtype)] for name, p in block.named_parameters()
+                ],
+            }
+            for block in blocks
+        ]
+    )
+
+
+def _device_of(blocks: Sequence[nn.Module], device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for block in blocks:
+        for p in block.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _identities(
+    blocks: Sequence[nn.Module], group: dist.ProcessGroup | None
+) -> tuple[list[str], str]:
+    """Gather every rank's host; check that every rank holds the same model."""
+    identity = (socket.gethostname(), model_fingerprint(blocks))
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, identity, group=group)
+    fingerprints = {fp for _, fp in gathered}
+    if len(fingerprints) != 1:
+        per_rank = ", ".join(f"rank {r}: {fp}" for r, (_, fp) in enumerate(gathered))
+        raise ValueError(
+            f"profile_cluster: ranks hold different models (model fingerprints {per_rank}); "
+            "every rank must build the same full model before partitioning"
+        )
+    return [host for host, _ in gathered], identity[1]
+
+
+def profile_cluster(
+    blocks: Sequence[nn.Module],
+    sample_input: torch.Tensor,
+    *,
+    loss_fn: LossFn | None = None,
+    sample_batch: Any = None,
+    device: torch.device | str | None = None,
+    group: dist.ProcessGroup | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    small_bytes: int = 1024,
+    large_bytes: int = 4 * 2**20,
+    network_repeats: int = 3,
+    budget_s: float = 60.0,
+    op_timeout_s: float | None = None,
+) -> ClusterProfile:
+    """Measure every rank's blocks and every link; every rank returns the same profile.
+
+    Collective over ``group``. ``blocks`` is the full model (every rank holds all of it before
+    partitioning), already on ``device`` (default: the device of the first parameter).
+    ``sample_input`` is one reference micro-batch (moved to
+    ``device``; ``sample_batch``, read only by ``loss_fn``, is not moved). ``budget_s`` bounds the
+    network measurement (:func:`measure_network`); the device kind comes from
+    ``$DEEPCEE_DEVICE_KIND`` (default: the torch device type).
+    """
+    device = _device_of(blocks, device)
+    hosts, model_fp = _identities(blocks, group)
+    timings = measure_blocks(
+        blocks,
+        sample_input.to(device),
+        loss_fn=loss_fn,
+        sample_batch=sample_batch,
+        repeats=repeats,
+        warmup=warmup,
+    )
+    local = {
+        "kind": os.environ.get(DEVICE_KIND_ENV, "").strip() or device.type,
+        "memory_bytes": available_memory_bytes(device),
+        "timings": timings,
+    }
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, local, group=group)
+    network = measure_network(
+        group=group,
+        small_bytes=small_bytes,
+        large_bytes=large_bytes,
+        repeats=network_repeats,
+        budget_s=budget_s,
+        op_timeout_s=op_timeout_s,
+        device=device if device.type == "cuda" else "cpu",
+        hosts=hosts,
+    )
+    devices = [_device_profile(rank, hosts[rank], record) for rank, record in enumerate(gathered)]
+    return ClusterProfile(
+        devices=tuple(devices),
+        latency_s=network.latency_s,
+        bandwidth_bytes_per_s=network.bandwidth_bytes_per_s,
+        num_blocks=len(blocks),
+        model_fingerprint=model_fp,
+        cluster_fingerprint=fingerprint_cluster(hosts),
+    )
+
+
+def _device_profile(rank: int, host: str, record: dict[str, Any]) -> DeviceProfile:
+    timings: BlockTimings = record["timings"]
+    return DeviceProfile(
+        rank=rank,
+        host=host,
+        kind=record["kind"],
+        memory_bytes=record["memory_bytes"],
+        forward_s=timings.forward_s,
+        backward_input_s=timings.backward_input_s,
+        backward_weight_s=timings.backward_weight_s,
+        activation_bytes=timings.activation_bytes,
+        parameter_bytes=timings.parameter_bytes,
+        reference_microbatch_size=timings.microbatch_size,
+        capability=capability_score(
+            timings.forward_s, timings.backward_input_s, timings.backward_weight_s
+        ),
+    )
+
+
+def profile_or_load(
+    path: str | os.PathLike[str],
+    blocks: Sequence[nn.Module],
+    sample_input: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    **options: Any,
+) -> ClusterProfile:
+    """Reuse the profile cached at ``path`` when it matches this model and device set; else measure.
+
+    Collective. Only rank 0 reads and writes the file (it may exist on rank 0's host only) and
+    broadcasts what it read, so all ranks agree on whether to re-measure. A stale or unreadable
+    cache gives :class:`~lightning_deepcee.profiler.ProfileCacheWarning` (on rank 0) and is
+    replaced; the new file is written atomically (temporary file + rename), as JSON for a
+    ``.json`` path and YAML otherwise. ``options`` are passed to :func:`profile_cluster`.
+    """
+    hosts, model_fp = _identities(blocks, group)
+    message: list[Any] = [None]
+    is_writer = dist.get_rank(group) == 0
+    if is_writer:
+        cached = load_cached_profile(
+            path, model_fingerprint=model_fp, cluster_fingerprint=fingerprint_cluster(hosts)
+        )
+        message[0] = None if cached is None else cached.to_dict()
+    source = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(message, src=source, group=group)
+    if message[0] is not None:
+        return ClusterProfile.from_dict(message[0])
+    profile = profile_cluster(blocks, sample_input, group=group, **options)
+    if is_writer:
+        _write_atomically(profile, Path(path))
+    return profile
+
+
+def _write_atomically(profile: ClusterProfile, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        if path.suffix.lower() == ".json":
+            profile.to_json(temporary)
+        else:
+            profile.to_yaml(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

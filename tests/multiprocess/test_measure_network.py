@@ -1,0 +1,131 @@
+"""measure_network / profile_cluster over gloo on loopback: same matrices everywhere, sane values,
+N-1 (even) or N (odd) rounds, YAML round trip, cache reuse, and a budget that fails on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_deepcee.profiler import ClusterProfile
+from lightning_deepcee.runtime.measure import (
+    ProfilingTimeoutError,
+    measure_network,
+    profile_cluster,
+    profile_or_load,
+    round_robin_rounds,
+)
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _worker(rank: int, world: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    result: dict[str, object] = {}
+    start = time.perf_counter()
+    network = measure_network()  # the defaults
+    result["network_wall_s"] = time.perf_counter() - start
+    result["latency_s"] = [list(row) for row in network.latency_s]
+    result["bandwidth"] = [[repr(v) for v in row] for row in network.bandwidth_bytes_per_s]
+    result["num_rounds"] = network.num_rounds
+
+    torch.manual_seed(0)
+    blocks = [nn.Linear(6, 16), nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 3)]
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+    options = {
+        "loss_fn": lambda out, batch: nn.functional.cross_entropy(out, batch[1]),
+        "sample_batch": (x, y),
+        "repeats": 2,
+        "warmup": 1,
+        "large_bytes": 2**20,
+        "network_repeats": 2,
+    }
+    profile = profile_cluster(blocks, x, **options)  # type: ignore[arg-type]
+    profile.to_yaml(Path(out) / f"profile{rank}.yaml")
+    result["roundtrip"] = ClusterProfile.from_yaml(Path(out) / f"profile{rank}.yaml") == profile
+
+    cache = Path(out) / "cache" / "profile.yaml"
+    first = profile_or_load(cache, blocks, x, **options)
+    second = profile_or_load(cache, blocks, x, **options)
+    result["cache_reused"] = second == first and cache.exists()
+
+    try:
+        measure_network(budget_s=1e-6, large_bytes=4096)
+        result["timeout"] = None
+    except ProfilingTimeoutError as exc:
+        result["timeout"] = str(exc)
+    (Path(out) / f"result{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_measure_network_and_profile_cluster(
+    tmp_path: Path, world: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    init = f"file://{tmp_path / 'store'}"
+    mp.spawn(_worker, args=(world, init, str(tmp_path)), nprocs=world, join=True)
+    results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(world)]
+
+    for r in results[1:]:
+        assert r["latency_s"] == results[0]["latency_s"]
+        assert r["bandwidth"] == results[0]["bandwidth"]
+    latency = results[0]["latency_s"]
+    bandwidth = [[float(v) for v in row] for row in results[0]["bandwidth"]]
+    for i in range(world):
+        for j in range(world):
+            if i == j:
+                assert latency[i][j] == 0 and bandwidth[i][j] == math.inf
+            else:
+                assert 0 < latency[i][j] < 1
+                assert math.isfinite(bandwidth[i][j]) and bandwidth[i][j] > 10e6  # loopback
+    assert all(r["num_rounds"] == (world if world % 2 else world - 1) for r in results)
+    assert all(r["network_wall_s"] < 30 for r in results)
+    print(f"measure_network defaults, {world} ranks: {results[0]['network_wall_s']:.3f} s")
+
+    profiles = [ClusterProfile.from_yaml(tmp_path / f"profile{r}.yaml") for r in range(world)]
+    assert all(p == profiles[0] for p in profiles)
+    assert profiles[0].num_devices == world and profiles[0].num_blocks == 3
+    assert [d.rank for d in profiles[0].devices] == list(range(world))
+    assert profiles[0].devices[0].activation_bytes == (64, 64, 12)
+    assert all(r["roundtrip"] and r["cache_reused"] for r in results)
+
+    for rank, r in enumerate(results):
+        message = r["timeout"]
+        assert message is not None, f"rank {rank} did not raise ProfilingTimeoutError"
+        assert "budget_s=1e-06" in message and "round 1 of" in message
+        low, high = round_robin_rounds(world)[0][0]  # the first pair of round 1 ran out
+        assert f"rank {low} <-> rank {high}" in message
+
+
+def _silent_peer_worker(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    if rank == 1:  # a device that never answers
+        time.sleep(3)
+        os._exit(0)
+    try:
+        measure_network(op_timeout_s=0.5, hosts=["cloud-0", "edge-1"])
+        message = "no error"
+    except ProfilingTimeoutError as exc:
+        message = str(exc)
+    (Path(out) / "silent.txt").write_text(message)
+    os._exit(0)  # the group is broken; skip destroy_process_group
+
+
+def test_silent_peer_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    init = f"file://{tmp_path / 'store'}"
+    mp.spawn(_silent_peer_worker, args=(init, str(tmp_path)), nprocs=2, join=True)
+    message = (tmp_path / "silent.txt").read_text()
+    assert "rank 0 (cloud-0): could not send to rank 1 (edge-1)" in message, message

@@ -1,0 +1,135 @@
+"""measure_blocks (single process): lengths, bytes, B/W split, and no side effects on the model."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_deepcee.runtime.measure import (
+    BlockTimings,
+    available_memory_bytes,
+    measure_blocks,
+    model_fingerprint,
+    round_robin_rounds,
+)
+
+
+def _mlp() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [
+        nn.Linear(8, 32),
+        nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.Dropout(0.5), nn.Tanh()),
+        nn.Linear(64, 5),
+    ]
+
+
+def _snapshot(blocks: list[nn.Module]) -> list[torch.Tensor]:
+    return [
+        t.detach().clone() for b in blocks for t in itertools.chain(b.parameters(), b.buffers())
+    ]
+
+
+def _assert_untouched(blocks: list[nn.Module], before: list[torch.Tensor]) -> None:
+    after = _snapshot(blocks)
+    assert len(after) == len(before)
+    for a, b in zip(after, before, strict=True):
+        assert torch.equal(a, b)
+    assert all(p.grad is None for b in blocks for p in b.parameters())
+
+
+def test_mlp_times_bytes_and_no_side_effects() -> None:
+    blocks = _mlp()
+    before = _snapshot(blocks)
+    sample = torch.randn(6, 8)
+    rng_before = torch.random.get_rng_state()
+    t = measure_blocks(blocks, sample, repeats=3, warmup=1)
+    assert isinstance(t, BlockTimings)
+    assert t.num_blocks == 3 and t.microbatch_size == 6
+    for name in ("forward_s", "backward_input_s", "backward_weight_s"):
+        assert len(getattr(t, name)) == 3
+    assert all(0 < f < 1 for f in t.forward_s)
+    # Block 0's input is the data: no input gradient, its whole backward counts as W.
+    assert t.backward_input_s[0] == 0
+    assert all(0 < b < 1 for b in t.backward_input_s[1:])
+    assert all(0 < w < 1 for w in t.backward_weight_s)
+    assert t.activation_bytes == (32 * 4, 64 * 4, 5 * 4)
+    assert t.parameter_bytes == ((8 * 32 + 32) * 4, (32 * 64 + 64 + 2 * 64) * 4, (64 * 5 + 5) * 4)
+    _assert_untouched(blocks, before)
+    assert torch.equal(torch.random.get_rng_state(), rng_before)
+
+
+class _Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(50, 12)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(ids)
+
+
+class _MeanHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(12, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.mean(dim=1))
+
+
+def test_embedding_model_with_loss() -> None:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = [_Embed(), nn.Sequential(nn.Linear(12, 12), nn.GELU()), _MeanHead()]
+    existing = torch.ones(7, 12)
+    blocks[2].proj.weight.grad = existing  # a pre-existing gradient must come back as it was
+    ids = torch.randint(0, 50, (4, 10))
+    targets = torch.randint(0, 7, (4,))
+    before = _snapshot(blocks)
+    t = measure_blocks(
+        blocks,
+        ids,
+        loss_fn=lambda out, batch: nn.functional.cross_entropy(out, batch[1]),
+        sample_batch=(ids, targets),
+        repeats=2,
+        warmup=1,
+    )
+    assert t.backward_input_s[0] == 0 and t.backward_weight_s[0] > 0
+    assert all(v > 0 for v in t.forward_s + t.backward_input_s[1:] + t.backward_weight_s)
+    assert t.activation_bytes == (10 * 12 * 4, 10 * 12 * 4, 7 * 4)
+    assert t.parameter_bytes == (50 * 12 * 4, (12 * 12 + 12) * 4, (12 * 7 + 7) * 4)
+    assert blocks[2].proj.weight.grad is existing
+    blocks[2].proj.weight.grad = None
+    _assert_untouched(blocks, before)
+
+
+def test_parameterless_block_and_arguments() -> None:
+    blocks: list[nn.Module] = [nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)]
+    t = measure_blocks(blocks, torch.randn(2, 3), repeats=1, warmup=0)
+    assert t.parameter_bytes[1] == 0 and t.activation_bytes == (16, 16, 8)
+    with pytest.raises(ValueError, match="repeats: expected a positive integer, got 0"):
+        measure_blocks(blocks, torch.randn(2, 3), repeats=0)
+    with pytest.raises(ValueError, match=r"at least one nn\.Module, got 0"):
+        measure_blocks([], torch.randn(2, 3))
+    with pytest.raises(ValueError, match="sample_batch: required with loss_fn"):
+        measure_blocks(blocks, torch.randn(2, 3), loss_fn=lambda o, b: o.sum())
+
+
+@pytest.mark.parametrize("num_ranks", range(1, 10))
+def test_round_robin_rounds_cover_every_pair_once(num_ranks: int) -> None:
+    rounds = round_robin_rounds(num_ranks)
+    expected_rounds = 0 if num_ranks == 1 else num_ranks - 1 + num_ranks % 2  # 1 rank: no pairs
+    assert len(rounds) == expected_rounds
+    pairs = [pair for r in rounds for pair in r]
+    assert sorted(pairs) == list(itertools.combinations(range(num_ranks), 2))
+    for r in rounds:
+        ranks = [rank for pair in r for rank in pair]
+        assert len(ranks) == len(set(ranks))  # disjoint pairs
+        assert len(r) == num_ranks // 2
+
+
+def test_available_memory_and_fingerprint() -> None:
+    assert available_memory_bytes("cpu") > 2**20
+    assert model_fingerprint(_mlp()) == model_fingerprint(_mlp())
+    assert model_fingerprint(_mlp()) != model_fingerprint([nn.Linear(8, 33), *_mlp()[1:]])
