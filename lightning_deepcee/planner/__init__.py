@@ -1,9 +1,44 @@
 """Planner (pure core): partitions, cost model, search and the Plan."""
 
+from lightning_deepcee.planner.cost_model import (
+    CostModelConfig,
+    Prediction,
+    allreduce_time_s,
+    in_flight_microbatches,
+    predict,
+    speed_shares,
+    stage_costs,
+    transfer_time_s,
+)
 from lightning_deepcee.planner.partition import (
     balanced_partition,
     check_partition,
     partition_from_sizes,
 )
+from lightning_deepcee.planner.plan import Plan, StagePlan
+from lightning_deepcee.planner.search import (
+    baseline_plans,
+    heterogeneous_partition,
+    make_plan,
+    plan_search,
+)
 
-__all__ = ["balanced_partition", "check_partition", "partition_from_sizes"]
+__all__ = [
+    "CostModelConfig",
+    "Plan",
+    "Prediction",
+    "StagePlan",
+    "allreduce_time_s",
+    "balanced_partition",
+    "baseline_plans",
+    "check_partition",
+    "heterogeneous_partition",
+    "in_flight_microbatches",
+    "make_plan",
+    "partition_from_sizes",
+    "plan_search",
+    "predict",
+    "speed_shares",
+    "stage_costs",
+    "transfer_time_s",
+]

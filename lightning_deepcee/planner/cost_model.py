@@ -1,0 +1,546 @@
+"""Cost model: predicted step time, bubble ratio and memory of a plan on a measured cluster.
+
+This module owns the arithmetic that turns a :class:`~lightning_deepcee.profiler.ClusterProfile`
+and a list of :class:`~lightning_deepcee.planner.plan.StagePlan` into per-stage simulator costs
+(:func:`stage_costs`) and a :class:`Prediction` (:func:`predict`). The model, stated once:
+
+- **Compute is linear in the micro-batch size.** Device ``d`` spends
+  ``block_s[d][k] / reference_microbatch_size`` seconds per sample on block ``k`` (separately for
+  F, B and W).
+- **Asymmetric data parallelism.** A stage shared by several devices takes, for each micro-batch,
+  the maximum over its devices of ``share_d * microbatch_size * per_sample_s[d]``: devices run
+  their rows in parallel and the stage is done when the slowest is. Shares proportional to speed
+  make every device finish together (see :func:`speed_shares`).
+- **Activation transfers.** Between consecutive stages a micro-batch's boundary activation
+  (``activation_bytes`` of the sending stage's last block, per sample, times the micro-batch
+  size) moves once forward and its gradient once backward. Rows are laid out by shares on both
+  sides, so sender ``i`` talks to receiver ``j`` only where their row intervals overlap; each such
+  pair costs ``latency_ij + overlap_bytes / bandwidth_ij``. A device's messages are serialised
+  (it sends or receives them one after another), and the hop takes the maximum over devices of
+  that sum. With one device per stage this is exactly ``ClusterProfile.transfer_time_s``; with
+  several it is conservative, since concurrent messages on distinct links are not overlapped.
+- **Pipeline.** The schedule is generated, lowered with one simulated rank per stage, validated
+  and simulated (:mod:`lightning_deepcee.schedule.simulate`); the simulator overlaps transfers
+  with compute exactly as far as the schedule order allows.
+- **All-reduce.** After its last W, each stage's group all-reduces its gradients with a ring:
+  ``2 (n-1)/n * parameter_bytes / min_bandwidth + 2 (n-1) * max_latency`` over the group's pairs.
+  The slowest stage's all-reduce is added to the step.
+- **Optimizer.** ``optimizer_s_per_byte * parameter_bytes`` of the largest stage.
+- **Memory.** ``parameter_bytes * state_copies`` (weights, gradients, two Adam moments) plus the
+  simulator's peak of in-flight activations, scaled by the device's share.
+
+``step_time_s = simulated pipeline + slowest stage all-reduce + optimizer``. See
+``docs/planner.md`` for the correspondence with DeepCEE's Eq. 1.
+
+Pure: numpy and the standard library (no torch, no lightning).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lightning_deepcee.planner.plan import StagePlan
+from lightning_deepcee.profiler.data import ClusterProfile
+from lightning_deepcee.schedule.actions import ActionKind
+from lightning_deepcee.schedule.generators import SCHEDULE_KINDS, StageSchedule, generate
+from lightning_deepcee.schedule.lowering import RankSchedule, lower
+from lightning_deepcee.schedule.simulate import StageCosts, simulate
+from lightning_deepcee.schedule.validate import validate
+
+__all__ = [
+    "CostModelConfig",
+    "Prediction",
+    "allreduce_time_s",
+    "in_flight_microbatches",
+    "predict",
+    "speed_shares",
+    "stage_costs",
+    "transfer_time_s",
+]
+
+Array = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostModelConfig:
+    """Constants of the cost model that the profile does not measure."""
+
+    optimizer_s_per_byte: float = 1e-10
+    """Optimizer seconds per byte of a stage's parameters. Adam reads and writes about four
+    tensors per parameter; 1e-10 s/B is ~40 GB/s of effective memory traffic."""
+    state_copies: int = 4
+    """Bytes held per parameter byte: the weights, their gradient and Adam's two moments."""
+
+    def __post_init__(self) -> None:
+        value = self.optimizer_s_per_byte
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not (math.isfinite(value) and value >= 0)
+        ):
+            raise ValueError(
+                f"optimizer_s_per_byte: expected a non-negative finite number, got {value!r}"
+            )
+        if (
+            isinstance(self.state_copies, bool)
+            or not isinstance(self.state_copies, int)
+            or (self.state_copies < 1)
+        ):
+            raise ValueError(
+                f"state_copies: expected a positive integer (4 for Adam), got {self.state_copies!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prediction:
+    """What the cost model expects one optimizer step of a plan to cost."""
+
+    step_time_s: float
+    """``pipeline_s + allreduce_s + optimizer_s``."""
+    bubble_ratio: float
+    """Idle share of stage-time in the simulated pipeline."""
+    peak_memory_bytes: dict[int, int]
+    """Peak bytes per rank: parameter state plus in-flight activations (scaled by share)."""
+    pipeline_s: float
+    """Simulated time of the forward/backward pipeline (compute and non-hidden transfers)."""
+    compute_s: float
+    """Compute seconds of the busiest stage (DeepCEE's ``B * t_c``)."""
+    transfer_s: float
+    """Activation/gradient transfer time the schedule fails to hide behind compute (``t_l``):
+    the simulated pipeline minus the same pipeline with free transfers."""
+    allreduce_s: float
+    """Gradient all-reduce of the slowest stage group (DeepCEE's ``AL``)."""
+    optimizer_s: float
+    """Optimizer step of the largest stage."""
+    over_memory_ranks: tuple[int, ...]
+    """Ranks whose predicted peak exceeds their ``memory_bytes``; empty when the plan fits."""
+
+    @property
+    def fits_memory(self) -> bool:
+        """True when every rank's predicted peak fits its memory."""
+        return not self.over_memory_ranks
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (rank keys as strings)."""
+        return {
+            "step_time_s": self.step_time_s,
+            "bubble_ratio": self.bubble_ratio,
+            "peak_memory_bytes": {str(r): v for r, v in sorted(self.peak_memory_bytes.items())},
+            "pipeline_s": self.pipeline_s,
+            "compute_s": self.compute_s,
+            "transfer_s": self.transfer_s,
+            "allreduce_s": self.allreduce_s,
+            "optimizer_s": self.optimizer_s,
+            "over_memory_ranks": list(self.over_memory_ranks),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Cached array view of a profile (a 1024-device profile is a million-entry tuple of tuples)
+# --------------------------------------------------------------------------------------------
+
+
+class _Arrays:
+    """Numpy views of one profile: matrices, per-sample prefix sums, per-block bytes."""
+
+    def __init__(self, profile: ClusterProfile) -> None:
+        self.profile = profile
+        self.latency = profile.latency_matrix()
+        self.bandwidth = profile.bandwidth_matrix()
+        ref = np.array([d.reference_microbatch_size for d in profile.devices], dtype=np.float64)
+
+        def prefix(name: str) -> Array:
+            per_sample = np.array([getattr(d, name) for d in profile.devices]) / ref[:, None]
+            return np.concatenate([np.zeros((len(ref), 1)), np.cumsum(per_sample, axis=1)], axis=1)
+
+        self.forward = prefix("forward_s")
+        self.backward_input = prefix("backward_input_s")
+        self.backward_weight = prefix("backward_weight_s")
+        self.total = self.forward + self.backward_input + self.backward_weight
+        act = np.array([d.activation_bytes for d in profile.devices], dtype=np.float64).max(axis=0)
+        params = np.array([d.parameter_bytes for d in profile.devices], dtype=np.float64).max(0)
+        self.activation = act
+        self.activation_prefix = np.concatenate([[0.0], np.cumsum(act)])
+        self.parameter_prefix = np.concatenate([[0.0], np.cumsum(params)])
+        self.memory = np.array([d.memory_bytes for d in profile.devices], dtype=np.float64)
+        self.group_links: dict[tuple[int, ...], tuple[float, float]] = {}
+        """Slowest bandwidth and largest latency inside a group, by its ranks."""
+
+    def parameter_bytes(self, block_range: tuple[int, int]) -> float:
+        return float(self.parameter_prefix[block_range[1]] - self.parameter_prefix[block_range[0]])
+
+    def activation_bytes(self, block_range: tuple[int, int]) -> float:
+        """Saved activations per sample of a stage: the outputs of all its blocks."""
+        start, end = block_range
+        return float(self.activation_prefix[end] - self.activation_prefix[start])
+
+
+_CACHE: list[_Arrays] = []
+_CACHE_SIZE = 4
+
+
+def _arrays(profile: ClusterProfile) -> _Arrays:
+    for entry in _CACHE:
+        if entry.profile is profile:
+            return entry
+    entry = _Arrays(profile)
+    _CACHE.insert(0, entry)
+    del _CACHE[_CACHE_SIZE:]
+    return entry
+
+
+def _check_stages(profile: ClusterProfile, stages: Sequence[StagePlan]) -> None:
+    if not stages:
+        raise ValueError("stages: expected at least one StagePlan, got none")
+    end = stages[-1].block_range[1]
+    if end != profile.num_blocks:
+        raise ValueError(
+            f"stages: the last stage ends at block {end} but the profile has "
+            f"{profile.num_blocks} blocks; the stages must cover every block"
+        )
+    num_devices = profile.num_devices
+    for index, stage in enumerate(stages):
+        if max(stage.ranks) >= num_devices:
+            raise ValueError(
+                f"stages[{index}].ranks: rank {max(stage.ranks)} is not in the profile's "
+                f"{num_devices} devices (0..{num_devices - 1})"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------
+
+
+def _row_overlaps(
+    left_shares: Sequence[float], right_shares: Sequence[float]
+) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp], Array]:
+    """``(i, j, fraction)`` arrays for each pair whose row intervals (laid out by shares) overlap.
+
+    Both sides lay their rows out in order on ``[0, 1)``; every segment between two consecutive
+    breakpoints of either side belongs to exactly one sender and one receiver.
+    """
+    left = np.cumsum(left_shares)
+    right = np.cumsum(right_shares)
+    left[-1] = right[-1] = 1.0
+    points = np.unique(np.concatenate([[0.0], left, right]))
+    fraction = np.diff(points)
+    keep = fraction > 1e-12
+    middle = (points[:-1] + points[1:])[keep] / 2
+    i = np.minimum(np.searchsorted(left, middle, side="right"), len(left) - 1)
+    j = np.minimum(np.searchsorted(right, middle, side="right"), len(right) - 1)
+    return i, j, fraction[keep]
+
+
+def transfer_time_s(
+    profile: ClusterProfile, sender: StagePlan, receiver: StagePlan, num_bytes: float
+) -> float:
+    """Seconds to move ``num_bytes`` (one whole micro-batch's tensor) from one stage to another.
+
+    Rows are split by shares on both sides; each overlapping (sender, receiver) pair costs
+    ``latency + overlap_bytes / bandwidth`` on its directed link; a device's messages are
+    serialised; the result is the maximum over devices of that sum (see the module docstring).
+    """
+    arrays = _arrays(profile)
+    return _transfer(arrays, sender.ranks, sender.batch_shares, receiver, num_bytes)
+
+
+def _transfer(
+    arrays: _Arrays,
+    ranks: Sequence[int],
+    shares: Sequence[float],
+    receiver: StagePlan,
+    num_bytes: float,
+) -> float:
+    i, j, fraction = _row_overlaps(shares, receiver.batch_shares)
+    src = np.asarray(ranks)[i]
+    dst = np.asarray(receiver.ranks)[j]
+    seconds = arrays.latency[src, dst] + fraction * num_bytes / arrays.bandwidth[src, dst]
+    per_sender = np.bincount(i, weights=seconds, minlength=len(ranks))
+    per_receiver = np.bincount(j, weights=seconds, minlength=len(receiver.ranks))
+    return float(max(per_sender.max(), per_receiver.max()))
+
+
+def allreduce_time_s(profile: ClusterProfile, ranks: Sequence[int], num_bytes: float) -> float:
+    """Ring all-reduce of ``num_bytes`` among ``ranks``; 0 for a single rank.
+
+    ``2 (n-1)/n * num_bytes / min_bandwidth + 2 (n-1) * max_latency``, with the minimum
+    bandwidth and maximum latency over every ordered pair of the group (the ring order is not
+    known to the planner, so the slowest pair bounds every hop).
+    """
+    return _allreduce(_arrays(profile), ranks, num_bytes)
+
+
+def _allreduce(arrays: _Arrays, ranks: Sequence[int], num_bytes: float) -> float:
+    n = len(ranks)
+    if n < 2:
+        return 0.0
+    key = tuple(ranks)
+    if key not in arrays.group_links:
+        index = np.asarray(ranks)
+        off_diagonal = ~np.eye(n, dtype=bool)
+        bandwidth = float(arrays.bandwidth[np.ix_(index, index)][off_diagonal].min())
+        latency = float(arrays.latency[np.ix_(index, index)][off_diagonal].max())
+        arrays.group_links[key] = (bandwidth, latency)
+    bandwidth, latency = arrays.group_links[key]
+    return 2.0 * (n - 1) / n * num_bytes / bandwidth + 2.0 * (n - 1) * latency
+
+
+_IN_FLIGHT_CACHE: dict[tuple[str, int, int], tuple[int, ...]] = {}
+
+
+def in_flight_microbatches(
+    schedule: str, num_stages: int, num_microbatches: int
+) -> tuple[int, ...]:
+    """Peak number of micro-batches whose activations each stage holds (F until W or BW)."""
+    key = (schedule, num_stages, num_microbatches)
+    if key not in _IN_FLIGHT_CACHE:
+        stage_schedule = generate(schedule, num_stages, num_microbatches)
+        _IN_FLIGHT_CACHE[key] = tuple(_peak_held(stage_schedule, s) for s in range(num_stages))
+    return _IN_FLIGHT_CACHE[key]
+
+
+def _peak_held(stage_schedule: StageSchedule, stage: int) -> int:
+    held = peak = 0
+    for action in stage_schedule[stage]:
+        if action.kind == ActionKind.F:
+            held += 1
+            peak = max(peak, held)
+        elif action.kind in (ActionKind.W, ActionKind.BW):
+            held -= 1
+    return peak
+
+
+def speed_shares(
+    profile: ClusterProfile,
+    ranks: Sequence[int],
+    block_range: tuple[int, int],
+    *,
+    microbatch_size: float,
+    in_flight: int,
+    config: CostModelConfig | None = None,
+    bounded_by_memory: bool = True,
+) -> tuple[float, ...] | None:
+    """Batch shares proportional to each device's speed on ``block_range``, bounded by memory.
+
+    Device ``d``'s share is capped at what its memory holds after the stage's parameter state:
+    ``(memory_bytes - state_copies * parameter_bytes) / (in_flight * microbatch_size *
+    activation_bytes_per_sample)``; the rest of the batch is redistributed in proportion to the
+    speed of the uncapped devices (water filling). ``None`` when the devices cannot hold the stage
+    at all. ``bounded_by_memory=False`` gives the plain speed-proportional shares.
+    """
+    return _shares(
+        _arrays(profile), ranks, block_range, microbatch_size, in_flight, config, bounded_by_memory
+    )
+
+
+def _shares(
+    arrays: _Arrays,
+    ranks: Sequence[int],
+    block_range: tuple[int, int],
+    microbatch_size: float,
+    in_flight: int,
+    config: CostModelConfig | None,
+    bounded_by_memory: bool = True,
+) -> tuple[float, ...] | None:
+    config = config or CostModelConfig()
+    start, end = block_range
+    index = np.asarray(ranks)
+    per_sample = arrays.total[index, end] - arrays.total[index, start]
+    speed = 1.0 / np.maximum(per_sample, 1e-300)
+    if not bounded_by_memory:
+        return tuple(float(s) for s in speed / speed.sum())
+    free = arrays.memory[index] - config.state_copies * arrays.parameter_bytes(block_range)
+    if (free < 0).any():
+        return None
+    per_share = in_flight * microbatch_size * arrays.activation_bytes(block_range)
+    caps = free / per_share if per_share > 0 else np.full(len(ranks), np.inf)
+    shares = np.zeros(len(ranks))
+    open_ = np.ones(len(ranks), dtype=bool)
+    remaining = 1.0
+    while open_.any():
+        trial = remaining * speed * open_ / speed[open_].sum()
+        over = open_ & (trial > caps)
+        if not over.any():
+            shares[open_] = trial[open_]
+            remaining = 0.0
+            break
+        shares[over] = caps[over]
+        remaining -= float(caps[over].sum())
+        open_ &= ~over
+        if remaining <= 0:
+            break
+    if remaining > 1e-9 or (shares <= 0).any():
+        return None
+    shares = shares / shares.sum()
+    return tuple(float(s) for s in shares)
+
+
+# --------------------------------------------------------------------------------------------
+# Stage costs and prediction
+# --------------------------------------------------------------------------------------------
+
+
+def stage_costs(
+    profile: ClusterProfile, stages: Sequence[StagePlan], *, microbatch_size: float
+) -> StageCosts:
+    """Simulator costs of one micro-batch of ``microbatch_size`` samples on each stage.
+
+    ``activation_bytes`` is a whole micro-batch's saved activations on the stage (each device
+    holds its share of it); ``static_memory_bytes`` is left unset (added per device by
+    :func:`predict`).
+    """
+    _check_stages(profile, stages)
+    return _stage_costs(_arrays(profile), stages, microbatch_size)
+
+
+def _stage_costs(arrays: _Arrays, stages: Sequence[StagePlan], b: float) -> StageCosts:
+    forward: list[float] = []
+    backward_input: list[float] = []
+    backward_weight: list[float] = []
+    activation: list[float] = []
+    for stage in stages:
+        index = np.asarray(stage.ranks)
+        share = np.asarray(stage.batch_shares) * b
+        start, end = stage.block_range
+        for out, prefix in (
+            (forward, arrays.forward),
+            (backward_input, arrays.backward_input),
+            (backward_weight, arrays.backward_weight),
+        ):
+            out.append(float((share * (prefix[index, end] - prefix[index, start])).max()))
+        activation.append(arrays.activation_bytes(stage.block_range) * b)
+    send_forward, send_backward = [], []
+    for sender, receiver in itertools.pairwise(stages):
+        num_bytes = float(arrays.activation[sender.block_range[1] - 1]) * b
+        send_forward.append(
+            _transfer(arrays, sender.ranks, sender.batch_shares, receiver, num_bytes)
+        )
+        send_backward.append(
+            _transfer(arrays, receiver.ranks, receiver.batch_shares, sender, num_bytes)
+        )
+    return StageCosts(
+        forward_s=tuple(forward),
+        backward_input_s=tuple(backward_input),
+        backward_weight_s=tuple(backward_weight),
+        activation_bytes=tuple(activation),
+        send_forward_s=tuple(send_forward),
+        send_backward_s=tuple(send_backward),
+    )
+
+
+_LOWERED: dict[tuple[str, int, int], RankSchedule] = {}
+
+
+def _lowered(schedule: str, p: int, m: int) -> RankSchedule:
+    """Generated, lowered (one simulated rank per stage) and validated; cached (pure data)."""
+    key = (schedule, p, m)
+    if key not in _LOWERED:
+        placement = {s: s for s in range(p)}
+        ranked = lower(generate(schedule, p, m), placement)
+        validate(ranked, placement, m)
+        if len(_LOWERED) > 256:
+            _LOWERED.clear()
+        _LOWERED[key] = ranked
+    return _LOWERED[key]
+
+
+def _simulate(costs: StageCosts, schedule: str, m: int) -> tuple[float, float, dict[int, int]]:
+    p = costs.num_stages
+    placement = {s: s for s in range(p)}
+    result = simulate(_lowered(schedule, p, m), placement, costs, num_microbatches=m)
+    return result.step_time_s, result.bubble_ratio, result.peak_memory_bytes
+
+
+def predict(
+    profile: ClusterProfile,
+    stages: Sequence[StagePlan],
+    schedule: str,
+    num_microbatches: int,
+    global_batch_size: int,
+    *,
+    config: CostModelConfig | None = None,
+) -> Prediction:
+    """Predict one optimizer step of ``stages`` under ``schedule`` (see the module docstring).
+
+    The micro-batch size is ``global_batch_size / num_microbatches`` samples (the mean, when
+    the division is not exact).
+    """
+    return _predict(
+        profile, stages, schedule, num_microbatches, global_batch_size, config, breakdown=True
+    )
+
+
+def _predict(
+    profile: ClusterProfile,
+    stages: Sequence[StagePlan],
+    schedule: str,
+    m: int,
+    global_batch_size: int,
+    config: CostModelConfig | None,
+    *,
+    breakdown: bool,
+) -> Prediction:
+    config = config or CostModelConfig()
+    if schedule not in SCHEDULE_KINDS:
+        raise ValueError(f"schedule: expected one of {', '.join(SCHEDULE_KINDS)}, got {schedule!r}")
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"num_microbatches: expected a positive integer, got {m!r}")
+    if global_batch_size < m:
+        raise ValueError(
+            f"global_batch_size: {global_batch_size} samples cannot fill {m} micro-batches; "
+            f"use at most {global_batch_size} micro-batches"
+        )
+    _check_stages(profile, stages)
+    arrays = _arrays(profile)
+    b = global_batch_size / m
+    costs = _stage_costs(arrays, stages, b)
+    pipeline_s, bubble, activation_peak = _simulate(costs, schedule, m)
+    compute_s = m * max(
+        f + bi + w
+        for f, bi, w in zip(
+            costs.forward_s, costs.backward_input_s, costs.backward_weight_s, strict=True
+        )
+    )
+    transfer_s = 0.0
+    if breakdown and len(stages) > 1:
+        free = StageCosts(
+            forward_s=costs.forward_s,
+            backward_input_s=costs.backward_input_s,
+            backward_weight_s=costs.backward_weight_s,
+            activation_bytes=costs.activation_bytes,
+            send_forward_s=(0.0,) * (len(stages) - 1),
+            send_backward_s=(0.0,) * (len(stages) - 1),
+        )
+        transfer_s = max(0.0, pipeline_s - _simulate(free, schedule, m)[0])
+    allreduce_s = optimizer_s = 0.0
+    memory: dict[int, int] = {}
+    over: list[int] = []
+    for s, stage in enumerate(stages):
+        params = arrays.parameter_bytes(stage.block_range)
+        allreduce_s = max(allreduce_s, _allreduce(arrays, stage.ranks, params))
+        optimizer_s = max(optimizer_s, config.optimizer_s_per_byte * params)
+        index = np.asarray(stage.ranks)
+        peaks = np.round(
+            config.state_copies * params + activation_peak[s] * np.asarray(stage.batch_shares)
+        )
+        memory.update(zip(stage.ranks, peaks.astype(np.int64).tolist(), strict=True))
+        over.extend(index[peaks > arrays.memory[index]].tolist())
+    return Prediction(
+        step_time_s=pipeline_s + allreduce_s + optimizer_s,
+        bubble_ratio=bubble,
+        peak_memory_bytes=dict(sorted(memory.items())),
+        pipeline_s=pipeline_s,
+        compute_s=compute_s,
+        transfer_s=transfer_s,
+        allreduce_s=allreduce_s,
+        optimizer_s=optimizer_s,
+        over_memory_ranks=tuple(sorted(over)),
+    )

@@ -1,0 +1,408 @@
+"""The Plan: what the planner decided, in a form a user can print, save, diff and hand back.
+
+This module owns two frozen records:
+
+- :class:`StagePlan`: one pipeline stage, a contiguous half-open block range ``[start, end)``
+  and the ranks that share it by (asymmetric) data parallelism, each with its share of every
+  micro-batch.
+- :class:`Plan`: the ordered stages, the schedule kind, the micro-batch count, the global batch
+  size, the cost model's predictions, and the fingerprints of the model and cluster it was made
+  for. JSON round-trip (:meth:`Plan.to_json` / :meth:`Plan.from_json`), a readable table
+  (:meth:`Plan.format_table`) and :meth:`Plan.check_matches`, which refuses a saved plan that does
+  not fit the current model or cluster.
+
+Pure: standard library only (plus the schedule kinds). A plan always uses every rank of the
+cluster exactly once; block ranges are contiguous, in order, and cover every block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_deepcee.schedule.generators import SCHEDULE_KINDS
+
+__all__ = ["SHARE_TOLERANCE", "Plan", "StagePlan"]
+
+SHARE_TOLERANCE = 1e-6
+"""How far the batch shares of one stage may sum away from 1."""
+
+
+def _is_int(value: object) -> bool:
+    if type(value) is int:  # fast path: plans of 1000+ ranks are built in the search loop
+        return True
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    if type(value) is float or type(value) is int:
+        return True
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _int_tuple(name: str, value: object) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{name}: expected a list of integers, got {value!r}")
+    for entry in value:
+        if not _is_int(entry):
+            raise ValueError(f"{name}: expected a list of integers, got {list(value)!r}")
+    return tuple(int(entry) for entry in value)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlan:
+    """One pipeline stage: its blocks and the devices that share it."""
+
+    block_range: tuple[int, int]
+    """Half-open range ``(start, end)`` of model blocks this stage runs (``start < end``)."""
+    ranks: tuple[int, ...]
+    """Ranks that hold a replica of these blocks and split every micro-batch between them."""
+    batch_shares: tuple[float, ...]
+    """Fraction of each micro-batch's samples each rank processes (same order as ``ranks``);
+    positive, summing to 1. Proportional to device speed, bounded by memory."""
+
+    def __post_init__(self) -> None:
+        block_range = _int_tuple("block_range", self.block_range)
+        if len(block_range) != 2 or not 0 <= block_range[0] < block_range[1]:
+            raise ValueError(
+                f"block_range: expected (start, end) with 0 <= start < end (half-open), got "
+                f"{list(block_range)!r}"
+            )
+        ranks = _int_tuple("ranks", self.ranks)
+        if not ranks or min(ranks) < 0 or len(set(ranks)) != len(ranks):
+            raise ValueError(
+                f"ranks: expected a non-empty list of distinct non-negative ranks, got "
+                f"{list(ranks)!r}"
+            )
+        shares = self.batch_shares
+        if (
+            isinstance(shares, (str, bytes))
+            or not isinstance(shares, Sequence)
+            or not all(_is_real(s) and math.isfinite(s) and s > 0 for s in shares)
+        ):
+            raise ValueError(f"batch_shares: expected positive finite fractions, got {shares!r}")
+        shares = tuple(float(s) for s in shares)
+        if len(shares) != len(ranks):
+            raise ValueError(
+                f"batch_shares: expected {len(ranks)} entries (one per rank of {list(ranks)}), "
+                f"got {len(shares)}"
+            )
+        if abs(sum(shares) - 1.0) > SHARE_TOLERANCE:
+            raise ValueError(
+                f"batch_shares: expected fractions summing to 1, got {list(shares)} "
+                f"(sum {sum(shares):.9g}); divide each by their sum"
+            )
+        object.__setattr__(self, "block_range", block_range)
+        object.__setattr__(self, "ranks", ranks)
+        object.__setattr__(self, "batch_shares", shares)
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of blocks in this stage."""
+        return self.block_range[1] - self.block_range[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-safe dict."""
+        return {
+            "block_range": list(self.block_range),
+            "ranks": list(self.ranks),
+            "batch_shares": list(self.batch_shares),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StagePlan:
+        """Inverse of :meth:`to_dict`; unknown or missing fields are errors."""
+        return cls(**_fields(data, cls, "StagePlan"))
+
+
+def _fields(data: object, cls: type, where: str) -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: expected a mapping of {cls.__name__} fields, got {data!r}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    required = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    unknown = [key for key in data if key not in names]
+    if unknown:
+        raise ValueError(
+            f"{where}.{unknown[0]}: unknown field of {cls.__name__} (expected only: "
+            f"{', '.join(names)})"
+        )
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise ValueError(f"{where}.{missing[0]}: missing required field of {cls.__name__}")
+    return dict(data)
+
+
+def _compact_ranks(ranks: Sequence[int]) -> str:
+    """``0,1,2,3,7`` -> ``0-3,7`` so that a stage of 128 devices fits on a line."""
+    parts: list[str] = []
+    start = previous = ranks[0]
+    for rank in [*ranks[1:], None]:
+        if rank is not None and rank == previous + 1:
+            previous = rank
+            continue
+        parts.append(str(start) if start == previous else f"{start}-{previous}")
+        if rank is not None:
+            start = previous = rank
+    return ",".join(parts)
+
+
+def _compact_shares(shares: Sequence[float]) -> str:
+    if len(shares) <= 8:
+        return ",".join(f"{s:.3f}" for s in shares)
+    return f"{min(shares):.4f}..{max(shares):.4f} ({len(shares)} ranks)"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """A complete parallel plan: stages in pipeline order, schedule, batch split, predictions."""
+
+    stages: tuple[StagePlan, ...]
+    """Pipeline stages in order; stage ``s`` sends activations to stage ``s + 1``."""
+    schedule: str
+    """Schedule kind, one of :data:`~lightning_deepcee.schedule.SCHEDULE_KINDS`."""
+    num_microbatches: int
+    """Micro-batches per optimizer step."""
+    global_batch_size: int
+    """Samples per optimizer step over the whole cluster (>= ``num_microbatches``)."""
+    predicted_step_time_s: float
+    """Cost model's step time (compute, non-overlapped transfers, all-reduce, optimizer)."""
+    predicted_bubble_ratio: float
+    """Cost model's idle share of stage-time in the pipeline (0 = no bubble)."""
+    predicted_peak_memory_bytes: dict[int, int]
+    """Cost model's peak memory per rank (parameters, gradients, Adam state, activations)."""
+    model_fingerprint: str
+    """Fingerprint of the model the plan was made for (see ``profiler.fingerprint``)."""
+    cluster_fingerprint: str
+    """Fingerprint of the device set the plan was made for."""
+    notes: str = ""
+    """Free text: why this plan won, which candidates were rejected."""
+
+    def __post_init__(self) -> None:
+        stages = self.stages
+        if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or not stages:
+            raise ValueError(f"stages: expected a non-empty list of StagePlan, got {stages!r}")
+        for index, stage in enumerate(stages):
+            if not isinstance(stage, StagePlan):
+                raise ValueError(
+                    f"stages[{index}]: expected a StagePlan (use Plan.from_dict for plain dicts), "
+                    f"got {stage!r}"
+                )
+        stages = tuple(stages)
+        expected = 0
+        for index, stage in enumerate(stages):
+            start, end = stage.block_range
+            if start != expected:
+                raise ValueError(
+                    f"stages[{index}].block_range: expected to start at block {expected} "
+                    f"(stages are contiguous and in order), got [{start}, {end}); ranges: "
+                    f"{[list(s.block_range) for s in stages]}"
+                )
+            expected = end
+        seen: dict[int, int] = {}
+        for index, stage in enumerate(stages):
+            for rank in stage.ranks:
+                if rank in seen:
+                    raise ValueError(
+                        f"stages[{index}].ranks: rank {rank} is already in stage {seen[rank]}; "
+                        "each rank belongs to exactly one stage"
+                    )
+                seen[rank] = index
+        if self.schedule not in SCHEDULE_KINDS:
+            raise ValueError(
+                f"schedule: expected one of {', '.join(SCHEDULE_KINDS)}, got {self.schedule!r}"
+            )
+        for name in ("num_microbatches", "global_batch_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if self.global_batch_size < self.num_microbatches:
+            raise ValueError(
+                f"global_batch_size: {self.global_batch_size} samples cannot fill "
+                f"{self.num_microbatches} micro-batches; lower num_microbatches to at most "
+                f"{self.global_batch_size}"
+            )
+        for name in ("predicted_step_time_s", "predicted_bubble_ratio"):
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}: expected a non-negative finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        memory = self.predicted_peak_memory_bytes
+        if not isinstance(memory, Mapping):
+            raise ValueError(
+                f"predicted_peak_memory_bytes: expected a mapping rank -> bytes, got {memory!r}"
+            )
+        memory_by_rank: dict[int, int] = {}
+        for key, value in memory.items():
+            rank = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            if not _is_int(rank) or rank not in seen or not _is_int(value) or value < 0:
+                raise ValueError(
+                    f"predicted_peak_memory_bytes[{key!r}]: expected a rank of the plan "
+                    f"({sorted(seen)}) mapped to a non-negative integer, got {value!r}"
+                )
+            memory_by_rank[int(rank)] = int(value)
+        for name in ("model_fingerprint", "cluster_fingerprint", "notes"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name}: expected a string, got {getattr(self, name)!r}")
+        object.__setattr__(self, "stages", stages)
+        object.__setattr__(self, "predicted_peak_memory_bytes", memory_by_rank)
+
+    # ---------------------------------------------------------------------------------------
+    # Views
+    # ---------------------------------------------------------------------------------------
+
+    @property
+    def num_stages(self) -> int:
+        """Number of pipeline stages."""
+        return len(self.stages)
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of model blocks the plan covers."""
+        return self.stages[-1].block_range[1]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank of the plan, sorted."""
+        return tuple(sorted(rank for stage in self.stages for rank in stage.ranks))
+
+    @property
+    def microbatch_size(self) -> float:
+        """Mean samples per micro-batch (``global_batch_size / num_microbatches``)."""
+        return self.global_batch_size / self.num_microbatches
+
+    def stage_of(self, rank: int) -> int:
+        """Index of the stage that ``rank`` belongs to."""
+        for index, stage in enumerate(self.stages):
+            if rank in stage.ranks:
+                return index
+        raise ValueError(f"rank: expected one of the plan's ranks {list(self.ranks)}, got {rank}")
+
+    # ---------------------------------------------------------------------------------------
+    # Checks against the current run
+    # ---------------------------------------------------------------------------------------
+
+    def check_matches(
+        self,
+        num_blocks: int,
+        world_size: int,
+        model_fingerprint: str | None = None,
+        cluster_fingerprint: str | None = None,
+    ) -> None:
+        """Raise ``ValueError`` unless this (saved) plan fits the model and cluster of this run.
+
+        A plan fits when it covers exactly ``num_blocks`` blocks, uses each of the ranks
+        ``0..world_size-1`` exactly once, and (when given) both fingerprints are equal.
+        """
+        problems = []
+        if self.num_blocks != num_blocks:
+            problems.append(f"it covers {self.num_blocks} blocks but the model has {num_blocks}")
+        if list(self.ranks) != list(range(world_size)):
+            problems.append(
+                f"it uses ranks {list(self.ranks)} but the world has {world_size} ranks "
+                f"(0..{world_size - 1})"
+            )
+        if model_fingerprint is not None and model_fingerprint != self.model_fingerprint:
+            problems.append(
+                f"its model_fingerprint is {self.model_fingerprint!r} but the model's is "
+                f"{model_fingerprint!r} (the model structure changed)"
+            )
+        if cluster_fingerprint is not None and cluster_fingerprint != self.cluster_fingerprint:
+            problems.append(
+                f"its cluster_fingerprint is {self.cluster_fingerprint!r} but the cluster's is "
+                f"{cluster_fingerprint!r} (the hosts or ranks changed)"
+            )
+        if problems:
+            raise ValueError(
+                f"The saved plan does not fit this run: {'; '.join(problems)}. Re-plan (drop the "
+                "saved plan so the planner searches again) or run on the model and cluster it "
+                "was made for."
+            )
+
+    # ---------------------------------------------------------------------------------------
+    # Serialisation
+    # ---------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-safe dict (rank keys of the memory map become strings in JSON)."""
+        return {
+            "stages": [stage.to_dict() for stage in self.stages],
+            "schedule": self.schedule,
+            "num_microbatches": self.num_microbatches,
+            "global_batch_size": self.global_batch_size,
+            "predicted_step_time_s": self.predicted_step_time_s,
+            "predicted_bubble_ratio": self.predicted_bubble_ratio,
+            "predicted_peak_memory_bytes": {
+                str(rank): value for rank, value in sorted(self.predicted_peak_memory_bytes.items())
+            },
+            "model_fingerprint": self.model_fingerprint,
+            "cluster_fingerprint": self.cluster_fingerprint,
+            "notes": self.notes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Inverse of :meth:`to_dict`; unknown or missing fields are errors."""
+        fields = _fields(data, cls, "Plan")
+        raw = fields["stages"]
+        if isinstance(raw, Sequence) and not isinstance(raw, (str, bytes)):
+            stages = []
+            for index, item in enumerate(raw):
+                try:
+                    stages.append(StagePlan.from_dict(item))
+                except (ValueError, TypeError) as exc:
+                    raise ValueError(f"stages[{index}]: {exc}") from None
+            fields["stages"] = tuple(stages)
+        return cls(**fields)
+
+    def to_json(self, path: str | os.PathLike[str]) -> None:
+        """Write as indented strict JSON."""
+        text = json.dumps(self.to_dict(), indent=2, allow_nan=False)
+        Path(path).write_text(text + "\n", encoding="utf-8")
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read a file written by :meth:`to_json`."""
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+    def format_table(self) -> str:
+        """A summary line and one row per stage: blocks, ranks, shares, peak memory."""
+        header = ["stage", "blocks", "ranks", "shares", "peak_mem_GiB"]
+        rows = [header]
+        for index, stage in enumerate(self.stages):
+            start, end = stage.block_range
+            peak = max(self.predicted_peak_memory_bytes.get(r, 0) for r in stage.ranks)
+            rows.append(
+                [
+                    str(index),
+                    f"{start}-{end - 1}",
+                    _compact_ranks(stage.ranks),
+                    _compact_shares(stage.batch_shares),
+                    f"{peak / 2**30:.2f}",
+                ]
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines = [
+            "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip() for r in rows
+        ]
+        lines.insert(1, "  ".join("-" * width for width in widths))
+        summary = (
+            f"schedule={self.schedule} microbatches={self.num_microbatches} "
+            f"global_batch={self.global_batch_size} "
+            f"predicted_step={self.predicted_step_time_s * 1e3:.2f} ms "
+            f"bubble={self.predicted_bubble_ratio:.1%}"
+        )
+        out = [summary, *lines]
+        if self.notes:
+            out.append(f"notes: {self.notes}")
+        return "\n".join(out)

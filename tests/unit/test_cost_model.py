@@ -1,0 +1,231 @@
+"""Unit tests of the cost model: simulator agreement, monotonicity, all-reduce, shares, memory."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from lightning_deepcee.planner.cost_model import (
+    CostModelConfig,
+    allreduce_time_s,
+    in_flight_microbatches,
+    predict,
+    speed_shares,
+    stage_costs,
+    transfer_time_s,
+)
+from lightning_deepcee.planner.plan import StagePlan
+from lightning_deepcee.profiler.data import ClusterProfile, DeviceProfile
+
+
+def make_profile(
+    *,
+    speeds: list[float],
+    num_blocks: int,
+    bandwidth: np.ndarray | float = math.inf,
+    latency: float = 0.0,
+    block_s: float = 1.0,
+    activation_bytes: int = 1000,
+    parameter_bytes: int = 0,
+    memory_bytes: int = 10**12,
+    reference_microbatch_size: int = 1,
+) -> ClusterProfile:
+    """Identical blocks; device ``d`` takes ``block_s / speeds[d]`` for each of F, B and W."""
+    n = len(speeds)
+    bw = np.full((n, n), bandwidth) if np.isscalar(bandwidth) else np.asarray(bandwidth, float)
+    bw = bw.copy()
+    np.fill_diagonal(bw, math.inf)
+    lat = np.full((n, n), latency)
+    np.fill_diagonal(lat, 0.0)
+    devices = tuple(
+        DeviceProfile(
+            rank=r,
+            host=f"h{r}",
+            kind="cpu",
+            memory_bytes=memory_bytes,
+            forward_s=(block_s / speeds[r],) * num_blocks,
+            backward_input_s=(block_s / speeds[r],) * num_blocks,
+            backward_weight_s=(block_s / speeds[r],) * num_blocks,
+            activation_bytes=(activation_bytes,) * num_blocks,
+            parameter_bytes=(parameter_bytes,) * num_blocks,
+            reference_microbatch_size=reference_microbatch_size,
+            capability=speeds[r],
+        )
+        for r in range(n)
+    )
+    return ClusterProfile(
+        devices=devices,
+        latency_s=tuple(tuple(row) for row in lat.tolist()),
+        bandwidth_bytes_per_s=tuple(tuple(row) for row in bw.tolist()),
+        num_blocks=num_blocks,
+        model_fingerprint="model",
+        cluster_fingerprint="cluster",
+    )
+
+
+def _pipeline(p: int, blocks_per_stage: int) -> list[StagePlan]:
+    return [
+        StagePlan(
+            block_range=(s * blocks_per_stage, (s + 1) * blocks_per_stage),
+            ranks=(s,),
+            batch_shares=(1.0,),
+        )
+        for s in range(p)
+    ]
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_equal_stages_reproduce_analytic_numbers(p: int, m: int) -> None:
+    profile = make_profile(speeds=[1.0] * p, num_blocks=p)
+    stages = _pipeline(p, 1)
+    one_f_one_b = predict(profile, stages, "1f1b", m, m)
+    assert one_f_one_b.step_time_s == pytest.approx(3 * (m + p - 1))
+    assert one_f_one_b.bubble_ratio == pytest.approx((p - 1) / (m + p - 1))
+    assert one_f_one_b.transfer_s == 0.0
+    assert one_f_one_b.allreduce_s == 0.0
+    assert one_f_one_b.compute_s == pytest.approx(3 * m)
+    zero_bubble = predict(profile, stages, "zb-h1", m, m)
+    if m >= p:
+        assert zero_bubble.step_time_s == pytest.approx(3 * m + p - 1)
+
+
+def test_microbatch_size_scales_compute_linearly() -> None:
+    profile = make_profile(speeds=[1.0, 1.0], num_blocks=2, reference_microbatch_size=4)
+    costs = stage_costs(profile, _pipeline(2, 1), microbatch_size=8)
+    assert costs.forward_s == (2.0, 2.0)
+    assert costs.activation_bytes == (8000.0, 8000.0)
+
+
+def test_shares_proportional_to_speed_balance_a_stage() -> None:
+    profile = make_profile(speeds=[1.0, 3.0], num_blocks=2)
+    shares = speed_shares(profile, (0, 1), (0, 2), microbatch_size=4, in_flight=1)
+    assert shares == pytest.approx((0.25, 0.75))
+    assert shares is not None
+    balanced = [StagePlan(block_range=(0, 2), ranks=(0, 1), batch_shares=shares)]
+    even = [StagePlan(block_range=(0, 2), ranks=(0, 1), batch_shares=(0.5, 0.5))]
+    # Per micro-batch of 4 samples: each device does its share; the stage waits for the slowest.
+    assert stage_costs(profile, balanced, microbatch_size=4).forward_s[0] == pytest.approx(2.0)
+    assert stage_costs(profile, even, microbatch_size=4).forward_s[0] == pytest.approx(4.0)
+    assert (
+        predict(profile, balanced, "1f1b", 2, 8).step_time_s
+        < predict(profile, even, "1f1b", 2, 8).step_time_s
+    )
+
+
+def test_shares_bounded_by_memory() -> None:
+    profile = make_profile(speeds=[1.0, 3.0], num_blocks=2, activation_bytes=100, memory_bytes=800)
+    # Each device holds in_flight * mb * share * 200 B/sample; memory 800 B caps a share at 1/2.
+    shares = speed_shares(profile, (0, 1), (0, 2), microbatch_size=4, in_flight=2)
+    assert shares == pytest.approx((0.5, 0.5))
+    assert speed_shares(profile, (0, 1), (0, 2), microbatch_size=8, in_flight=2) is None
+    free = speed_shares(
+        profile, (0, 1), (0, 2), microbatch_size=8, in_flight=2, bounded_by_memory=False
+    )
+    assert free == pytest.approx((0.25, 0.75))
+
+
+def test_single_pair_transfer_matches_profile() -> None:
+    profile = make_profile(speeds=[1.0, 1.0], num_blocks=2, bandwidth=1e3, latency=0.5)
+    a, b = _pipeline(2, 1)
+    assert transfer_time_s(profile, a, b, 4000) == pytest.approx(
+        profile.transfer_time_s(0, 1, 4000)
+    )
+    costs = stage_costs(profile, [a, b], microbatch_size=2)
+    assert costs.send_forward_s == pytest.approx((0.5 + 2000 / 1e3,))
+    assert costs.send_backward_s == pytest.approx((0.5 + 2000 / 1e3,))
+
+
+def test_transfer_splits_rows_between_group_members() -> None:
+    profile = make_profile(speeds=[1.0] * 4, num_blocks=2, bandwidth=1e3)
+    sender = StagePlan(block_range=(0, 1), ranks=(0, 1), batch_shares=(0.5, 0.5))
+    receiver = StagePlan(block_range=(1, 2), ranks=(2, 3), batch_shares=(0.5, 0.5))
+    # Rows 0..1/2 go 0 -> 2, rows 1/2..1 go 1 -> 3, each half of the bytes.
+    assert transfer_time_s(profile, sender, receiver, 4000) == pytest.approx(2.0)
+    skewed = StagePlan(block_range=(1, 2), ranks=(2, 3), batch_shares=(0.25, 0.75))
+    # Device 3 receives a quarter from 0 and half from 1, one after the other.
+    assert transfer_time_s(profile, sender, skewed, 4000) == pytest.approx(3.0)
+
+
+def test_doubling_bandwidth_never_increases_predicted_time() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        n = 6
+        bandwidth = rng.uniform(1e3, 1e5, (n, n))
+        speeds = list(rng.uniform(0.5, 4.0, n))
+        slow = make_profile(speeds=speeds, num_blocks=6, bandwidth=bandwidth, latency=0.01)
+        fast = make_profile(speeds=speeds, num_blocks=6, bandwidth=2 * bandwidth, latency=0.01)
+        stages = [
+            StagePlan(block_range=(0, 2), ranks=(0, 1), batch_shares=(0.4, 0.6)),
+            StagePlan(block_range=(2, 3), ranks=(2,), batch_shares=(1.0,)),
+            StagePlan(block_range=(3, 6), ranks=(3, 4, 5), batch_shares=(0.2, 0.3, 0.5)),
+        ]
+        for schedule in ("gpipe", "1f1b", "zb-h1"):
+            for m in (1, 3, 8):
+                before = predict(slow, stages, schedule, m, 8 * m).step_time_s
+                after = predict(fast, stages, schedule, m, 8 * m).step_time_s
+                assert after <= before + 1e-12
+
+
+def test_allreduce_grows_with_group_size() -> None:
+    profile = make_profile(speeds=[1.0] * 8, num_blocks=1, bandwidth=1e6, latency=0.001)
+    times = [allreduce_time_s(profile, range(n), 1e6) for n in range(1, 9)]
+    assert times[0] == 0.0
+    assert all(a < b for a, b in itertools.pairwise(times))
+    assert times[1] == pytest.approx(2 * 0.5 * 1.0 + 2 * 0.001)
+    with_params = make_profile(speeds=[1.0] * 4, num_blocks=1, bandwidth=1e6, parameter_bytes=10**6)
+    two = [StagePlan(block_range=(0, 1), ranks=(0, 1), batch_shares=(0.5, 0.5))]
+    four = [StagePlan(block_range=(0, 1), ranks=(0, 1, 2, 3), batch_shares=(0.25,) * 4)]
+    assert (
+        predict(with_params, two, "1f1b", 1, 4).allreduce_s
+        < predict(with_params, four, "1f1b", 1, 4).allreduce_s
+    )
+
+
+def test_memory_and_optimizer_terms() -> None:
+    profile = make_profile(
+        speeds=[1.0, 1.0],
+        num_blocks=2,
+        parameter_bytes=1000,
+        activation_bytes=10,
+        memory_bytes=5000,
+    )
+    config = CostModelConfig(optimizer_s_per_byte=1e-3)
+    prediction = predict(profile, _pipeline(2, 1), "1f1b", 4, 8, config=config)
+    # Stage 0 holds min(p, m) = 2 micro-batches of 2 samples x 10 B; stage 1 holds one.
+    assert prediction.peak_memory_bytes == {0: 4 * 1000 + 40, 1: 4 * 1000 + 20}
+    assert prediction.optimizer_s == pytest.approx(1.0)
+    assert prediction.fits_memory
+    tight = make_profile(
+        speeds=[1.0, 1.0],
+        num_blocks=2,
+        parameter_bytes=1000,
+        activation_bytes=10,
+        memory_bytes=4030,
+    )
+    assert predict(tight, _pipeline(2, 1), "1f1b", 4, 8).over_memory_ranks == (0,)
+    assert in_flight_microbatches("1f1b", 2, 4) == (2, 1)
+    assert in_flight_microbatches("gpipe", 2, 4) == (4, 4)
+
+
+def test_predict_rejects_bad_input() -> None:
+    profile = make_profile(speeds=[1.0, 1.0], num_blocks=2)
+    with pytest.raises(ValueError, match="schedule"):
+        predict(profile, _pipeline(2, 1), "nope", 1, 1)
+    with pytest.raises(ValueError, match="cannot fill 4 micro-batches"):
+        predict(profile, _pipeline(2, 1), "1f1b", 4, 2)
+    with pytest.raises(ValueError, match="profile has 2 blocks"):
+        predict(profile, _pipeline(1, 1), "1f1b", 1, 1)
+    with pytest.raises(ValueError, match="rank 5"):
+        predict(
+            profile,
+            [StagePlan(block_range=(0, 2), ranks=(5,), batch_shares=(1.0,))],
+            "1f1b",
+            1,
+            1,
+        )
+    with pytest.raises(ValueError, match="optimizer_s_per_byte"):
+        CostModelConfig(optimizer_s_per_byte=-1.0)

@@ -1,0 +1,272 @@
+"""Unit tests of plan_search: example cluster, baselines, exhaustive comparison, errors, scale."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_deepcee.planner.plan import Plan
+from lightning_deepcee.planner.search import (
+    baseline_plans,
+    heterogeneous_partition,
+    make_plan,
+    plan_search,
+)
+from lightning_deepcee.profiler.data import ClusterProfile, DeviceProfile
+from lightning_deepcee.profiler.grouping import group_by_compute, group_devices
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "configs" / "profiles" / "example_cee6.yaml"
+
+
+def random_profile(
+    seed: int, num_devices: int, num_blocks: int, memory_bytes: int = 10**12
+) -> ClusterProfile:
+    """Devices in 1-3 regions (fast links inside, slow between), random speeds and block costs."""
+    rng = np.random.default_rng(seed)
+    region = rng.integers(0, 3, num_devices)
+    wan = rng.uniform(1e5, 1e7, (3, 3))
+    wan = np.minimum(wan, wan.T)
+    same = region[:, None] == region[None, :]
+    bandwidth = np.where(
+        same, 1e8 * rng.uniform(0.8, 1.2, (num_devices,) * 2), wan[region][:, region]
+    )
+    np.fill_diagonal(bandwidth, math.inf)
+    latency = np.where(same, 1e-4, 1e-2)
+    np.fill_diagonal(latency, 0.0)
+    base = rng.uniform(0.5, 2.0, num_blocks) * 1e-2
+    activation = rng.integers(1_000, 100_000, num_blocks)
+    params = rng.integers(1_000, 1_000_000, num_blocks)
+    devices = []
+    for rank in range(num_devices):
+        speed = rng.uniform(0.5, 4.0)
+        per_block = tuple(float(t) for t in base / speed)
+        devices.append(
+            DeviceProfile(
+                rank=rank,
+                host=f"h{rank}",
+                kind="cpu",
+                memory_bytes=memory_bytes,
+                forward_s=per_block,
+                backward_input_s=per_block,
+                backward_weight_s=tuple(2 * t for t in per_block),
+                activation_bytes=tuple(int(a) for a in activation),
+                parameter_bytes=tuple(int(p) for p in params),
+                reference_microbatch_size=int(rng.integers(1, 5)),
+                capability=float(speed),
+            )
+        )
+    return ClusterProfile(
+        devices=tuple(devices),
+        latency_s=tuple(tuple(row) for row in latency.tolist()),
+        bandwidth_bytes_per_s=tuple(tuple(row) for row in bandwidth.tolist()),
+        num_blocks=num_blocks,
+        model_fingerprint="model",
+        cluster_fingerprint="cluster",
+    )
+
+
+def _baseline_times(profile: ClusterProfile, **kwargs: object) -> dict[str, float]:
+    plans = baseline_plans(profile, **kwargs)  # type: ignore[arg-type]
+    return {name: plan.predicted_step_time_s for name, plan in plans.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Heterogeneous partition
+# --------------------------------------------------------------------------------------------
+
+
+def test_heterogeneous_partition_gives_fast_stages_more_blocks() -> None:
+    assert heterogeneous_partition([1.0] * 8, [1.0, 3.0]) == [(0, 2), (2, 8)]
+    assert heterogeneous_partition([1.0] * 8, [1.0, 1.0]) == [(0, 4), (4, 8)]
+    assert heterogeneous_partition([4.0, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0]) == [(0, 1), (1, 5)]
+    with pytest.raises(ValueError, match="Cannot split 2 blocks into 3 stages"):
+        heterogeneous_partition([1.0, 1.0], [1.0, 1.0, 1.0])
+
+
+@given(
+    costs=st.lists(st.floats(0.0, 10.0), min_size=1, max_size=7),
+    speeds=st.lists(st.floats(0.1, 10.0), min_size=1, max_size=4),
+)
+@settings(max_examples=40, deadline=None)
+def test_heterogeneous_partition_is_optimal(costs: list[float], speeds: list[float]) -> None:
+    if len(speeds) > len(costs):
+        return
+    ranges = heterogeneous_partition(costs, speeds)
+    n, p = len(costs), len(speeds)
+
+    def worst(cuts: tuple[int, ...]) -> float:
+        bounds = (0, *cuts, n)
+        return max(sum(costs[a:b]) / v for a, b, v in zip(bounds, bounds[1:], speeds, strict=False))
+
+    best = min(worst(c) for c in itertools.combinations(range(1, n), p - 1))
+    found = worst(tuple(a for a, _ in ranges[1:]))
+    assert found == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# The example cluster
+# --------------------------------------------------------------------------------------------
+
+
+def test_example_cee6_uses_the_three_regions() -> None:
+    profile = ClusterProfile.from_yaml(EXAMPLE)
+    plan = plan_search(profile, num_blocks=8, global_batch_size=64)
+    regions = {frozenset(g) for g in group_devices(profile).network_groups}
+    assert len(regions) == 3
+    assert {frozenset(stage.ranks) for stage in plan.stages} == regions
+    plan.check_matches(8, 6, profile.model_fingerprint, profile.cluster_fingerprint)
+    baselines = _baseline_times(profile, global_batch_size=64)
+    assert set(baselines) == {"data_parallel", "pipeline"}
+    assert all(plan.predicted_step_time_s <= t for t in baselines.values())
+    assert plan.predicted_step_time_s < 0.8 * baselines["pipeline"]
+    assert "chosen: deepcee" in plan.notes
+    assert Plan.from_dict(plan.to_dict()) == plan
+
+
+# --------------------------------------------------------------------------------------------
+# Never worse than the baselines; close to exhaustive on tiny instances
+# --------------------------------------------------------------------------------------------
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    num_devices=st.integers(2, 6),
+    num_blocks=st.integers(4, 12),
+    global_batch_size=st.sampled_from([8, 16, 32]),
+)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_never_worse_than_baselines(
+    seed: int, num_devices: int, num_blocks: int, global_batch_size: int
+) -> None:
+    profile = random_profile(seed, num_devices, num_blocks)
+    kwargs = {"global_batch_size": global_batch_size, "microbatch_candidates": (1, 2, 4, 8)}
+    plan = plan_search(profile, num_blocks=num_blocks, beam_width=4, **kwargs)  # type: ignore[arg-type]
+    for name, seconds in _baseline_times(profile, **kwargs).items():
+        assert plan.predicted_step_time_s <= seconds * (1 + 1e-9), name
+    assert plan.ranks == tuple(range(num_devices))
+
+
+def _exhaustive(
+    profile: ClusterProfile, global_batch_size: int, counts: tuple[int, ...], kinds: tuple[str, ...]
+) -> float:
+    """Best prediction over the whole candidate space: every structure x partition x m x kind."""
+    n, b = profile.num_devices, profile.num_blocks
+    groups = group_devices(profile).network_groups
+    capability = profile.capability_vector()
+    structures: set[tuple[tuple[int, ...], ...]] = {(tuple(range(n)),)}
+    if n <= b:
+        structures.add(tuple((r,) for r in range(n)))
+    for order in itertools.permutations(groups):
+        options = []
+        for group in order:
+            parts = group_by_compute(capability, group)
+            parts = tuple(sorted(parts, key=lambda p: -float(capability[list(p)].mean())))
+            options.append({(group,), parts, parts[::-1]} if len(parts) > 1 else {(group,)})
+        for choice in itertools.product(*options):
+            structures.add(tuple(unit for part in choice for unit in part))
+    best = math.inf
+    for structure in structures:
+        p = len(structure)
+        for cuts in itertools.combinations(range(1, b), p - 1):
+            bounds = (0, *cuts, b)
+            ranges = list(itertools.pairwise(bounds))
+            for m, kind in itertools.product(counts, kinds):
+                plan = make_plan(
+                    profile,
+                    structure,
+                    ranges,
+                    schedule=kind,
+                    num_microbatches=m,
+                    global_batch_size=global_batch_size,
+                )
+                if plan is not None:
+                    best = min(best, plan.predicted_step_time_s)
+    return best
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    num_devices=st.integers(2, 4),
+    num_blocks=st.integers(4, 6),
+)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_within_five_percent_of_exhaustive(seed: int, num_devices: int, num_blocks: int) -> None:
+    profile = random_profile(seed, num_devices, num_blocks)
+    counts, kinds = (1, 2, 4), ("1f1b", "zb-h1")
+    plan = plan_search(
+        profile,
+        num_blocks=num_blocks,
+        global_batch_size=16,
+        microbatch_candidates=counts,
+        schedules=kinds,
+    )
+    best = _exhaustive(profile, 16, counts, kinds)
+    assert plan.predicted_step_time_s >= best * (1 - 1e-9)
+    assert plan.predicted_step_time_s <= 1.05 * best
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+def test_memory_infeasible_cluster_raises() -> None:
+    profile = random_profile(1, 3, 6, memory_bytes=1000)
+    with pytest.raises(ValueError, match="No plan fits in memory: block"):
+        plan_search(profile, num_blocks=6, global_batch_size=8)
+    # Parameters fit but activations never do at this batch size.
+    roomy = random_profile(1, 3, 6, memory_bytes=4 * 6 * 1_000_000 + 10)
+    with pytest.raises(ValueError, match="No plan fits in memory"):
+        plan_search(roomy, num_blocks=6, global_batch_size=2**20, microbatch_candidates=(1,))
+    assert plan_search(roomy, num_blocks=6, global_batch_size=8, memory_check=True) is not None
+
+
+def test_bad_requests_raise() -> None:
+    profile = random_profile(2, 3, 6)
+    with pytest.raises(ValueError, match="smaller than every micro-batch count"):
+        plan_search(profile, num_blocks=6, global_batch_size=2, microbatch_candidates=(4, 8))
+    with pytest.raises(ValueError, match="the model has 7 blocks but the profile"):
+        plan_search(profile, num_blocks=7, global_batch_size=8)
+    with pytest.raises(ValueError, match="schedules"):
+        plan_search(profile, num_blocks=6, global_batch_size=8, schedules=("zb-v",))
+    with pytest.raises(ValueError, match="beam_width"):
+        plan_search(profile, num_blocks=6, global_batch_size=8, beam_width=0)
+
+
+def test_more_devices_than_blocks_skips_the_plain_pipeline() -> None:
+    profile = random_profile(3, 5, 4)
+    plan = plan_search(profile, num_blocks=4, global_batch_size=16)
+    assert plan.num_stages <= 4
+    assert "pipeline" not in baseline_plans(profile, global_batch_size=16)
+
+
+# --------------------------------------------------------------------------------------------
+# Scale (timing lives in benchmarks/plan_scaling.py; this only checks that it works)
+# --------------------------------------------------------------------------------------------
+
+
+def test_synthetic_three_level_cluster_plans() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "plan_scaling", ROOT / "benchmarks" / "plan_scaling.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    profile = module.synthetic_cluster(regions=2, sites=4, devices=8, num_blocks=12)
+    assert profile.num_devices == 64
+    plan = plan_search(profile, num_blocks=12, global_batch_size=512, beam_width=4, max_iter=5)
+    plan.check_matches(12, 64)
+    # Regions never straddle a stage: wide-area links carry activations only.
+    for stage in plan.stages:
+        assert len({rank // 32 for rank in stage.ranks}) == 1 or plan.num_stages == 1
+    assert (
+        len(plan.format_table().splitlines()) == plan.num_stages + 4
+    )  # summary, header, rule, notes
