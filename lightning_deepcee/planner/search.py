@@ -385,6 +385,25 @@ def _microbatch_counts(candidates: Sequence[int], global_batch_size: int) -> tup
     return divisors or counts
 
 
+def _search_context(
+    profile: ClusterProfile,
+    global_batch_size: int,
+    schedules: Sequence[str],
+    microbatch_candidates: Sequence[int],
+    memory_check: bool,
+    config: CostModelConfig | None,
+) -> _Context:
+    """The evaluation context shared by the baselines and the full search."""
+    return _Context(
+        profile,
+        global_batch_size=global_batch_size,
+        schedules=tuple(schedules),
+        microbatch_counts=_microbatch_counts(microbatch_candidates, global_batch_size),
+        memory_check=memory_check,
+        config=config or CostModelConfig(),
+    )
+
+
 def _check_request(profile: ClusterProfile, num_blocks: int, schedules: Sequence[str]) -> None:
     if num_blocks != profile.num_blocks:
         raise ValueError(
@@ -427,13 +446,8 @@ def baseline_plans(
 ) -> dict[str, Plan]:
     """The best ``"data_parallel"`` and ``"pipeline"`` plans (absent when they do not fit)."""
     _check_request(profile, profile.num_blocks, schedules)
-    context = _Context(
-        profile,
-        global_batch_size=global_batch_size,
-        schedules=schedules,
-        microbatch_counts=_microbatch_counts(microbatch_candidates, global_batch_size),
-        memory_check=memory_check,
-        config=config or CostModelConfig(),
+    context = _search_context(
+        profile, global_batch_size, schedules, microbatch_candidates, memory_check, config
     )
     return {
         name: _to_plan(profile, scored, global_batch_size, name)
@@ -594,13 +608,8 @@ def plan_search(
     limit = min(num_blocks, max_stages or DEFAULT_MAX_STAGES)
     if limit < 1:
         raise ValueError(f"max_stages: expected a positive integer, got {max_stages!r}")
-    context = _Context(
-        profile,
-        global_batch_size=global_batch_size,
-        schedules=schedules,
-        microbatch_counts=_microbatch_counts(microbatch_candidates, global_batch_size),
-        memory_check=memory_check,
-        config=config or CostModelConfig(),
+    context = _search_context(
+        profile, global_batch_size, schedules, microbatch_candidates, memory_check, config
     )
     baselines = _baselines(context, max_iter)
     finalists = dict(baselines)

@@ -86,16 +86,21 @@ def _worker(rank: int, world: int, kind: str, m: int, init: str, out: str) -> No
     dist.destroy_process_group()
 
 
+def assert_grads_match_reference(directory: Path, world: int, *, rtol: float, atol: float) -> None:
+    """Merge the ranks' saved gradients and compare them with the single-process reference."""
+    merged: dict[str, torch.Tensor] = {}
+    for r in range(world):
+        merged.update(torch.load(directory / f"grads{r}.pt"))
+    ref = _reference()
+    assert merged.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(merged[name], ref[name], rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("kind", SCHEDULE_KINDS)
 def test_executor_gradients_match_reference(tmp_path: Path, world: int, kind: str) -> None:
     m = 4  # 11 samples in 4 micro-batches: sizes 3, 3, 3, 2 (uneven)
     init = f"file://{tmp_path / 'store'}"
     mp.spawn(_worker, args=(world, kind, m, init, str(tmp_path)), nprocs=world, join=True)
-    merged: dict[str, torch.Tensor] = {}
-    for r in range(world):
-        merged.update(torch.load(tmp_path / f"grads{r}.pt"))
-    ref = _reference()
-    assert merged.keys() == ref.keys()
-    for name in ref:
-        torch.testing.assert_close(merged[name], ref[name], rtol=1e-5, atol=1e-6)
+    assert_grads_match_reference(tmp_path, world, rtol=1e-5, atol=1e-6)

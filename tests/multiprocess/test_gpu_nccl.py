@@ -60,14 +60,8 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 def test_nccl_executor_matches_reference(tmp_path: Path) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
-    from test_executor import _reference
+    from test_executor import assert_grads_match_reference
 
     world = 2
     mp.spawn(_worker, args=(world, f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=world)
-    merged: dict[str, torch.Tensor] = {}
-    for r in range(world):
-        merged.update(torch.load(tmp_path / f"grads{r}.pt"))
-    ref = _reference()
-    assert merged.keys() == ref.keys()
-    for name in ref:
-        torch.testing.assert_close(merged[name], ref[name], rtol=1e-4, atol=1e-5)
+    assert_grads_match_reference(tmp_path, world, rtol=1e-4, atol=1e-5)
