@@ -21,12 +21,12 @@ def _clip_global_norm(precision: Precision, optimizer: Optimizer, clip_val: floa
     squared = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         squared += g.detach().double().pow(2).sum()
-    replicas = 1
+    # Every device sharing a stage holds the same (all-reduced) gradients: each contributes
+    # its share so the stage counts once in the global norm.
+    squared *= getattr(precision, "norm_share", 1.0)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(squared)
-        # Every data-parallel replica holds identical (already averaged) stage gradients.
-        replicas = getattr(precision, "num_replicas", 1)
-    total = (squared / replicas).sqrt()
+    total = squared.sqrt()
     coef = clip_val / (total + 1e-6)
     if coef < 1.0:
         for g in grads:
@@ -36,7 +36,7 @@ def _clip_global_norm(precision: Precision, optimizer: Optimizer, clip_val: floa
 class PipelinePrecision(Precision):
     """Full precision (``32-true``) with global-norm clipping across pipeline stages."""
 
-    num_replicas: int = 1
+    norm_share: float = 1.0
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         _clip_global_norm(self, optimizer, float(clip_val))
@@ -45,7 +45,7 @@ class PipelinePrecision(Precision):
 class PipelineMixedPrecision(MixedPrecision):
     """``bf16-mixed`` autocast with global-norm clipping across pipeline stages."""
 
-    num_replicas: int = 1
+    norm_share: float = 1.0
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         _clip_global_norm(self, optimizer, float(clip_val))

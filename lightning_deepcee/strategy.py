@@ -36,7 +36,13 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_deepcee.checkpoint import load_sharded, save_sharded
-from lightning_deepcee.planner import balanced_partition, check_partition, partition_from_sizes
+from lightning_deepcee.planner import (
+    Plan,
+    balanced_partition,
+    check_partition,
+    partition_from_sizes,
+    plan_search,
+)
 from lightning_deepcee.precision import wrap_precision
 from lightning_deepcee.profiler import ClusterProfile, DeviceGroups, group_devices
 from lightning_deepcee.runtime import (
@@ -51,7 +57,8 @@ from lightning_deepcee.runtime import (
     split_sizes,
 )
 from lightning_deepcee.runtime.executor import StepStats
-from lightning_deepcee.runtime.measure import profile_cluster, profile_or_load
+from lightning_deepcee.runtime.measure import model_fingerprint, profile_cluster, profile_or_load
+from lightning_deepcee.runtime.routing import Router, StageLayout
 from lightning_deepcee.schedule import SCHEDULE_KINDS, generate, lower, render, validate
 from lightning_deepcee.schedule.generators import forward_only
 
@@ -63,7 +70,18 @@ log = logging.getLogger(__name__)
 class DeepCEEStrategy(DDPStrategy):
     """Pipeline-parallel training across heterogeneous devices, exact synchronous gradients.
 
+    Three ways to choose the layout:
+
+    - ``DeepCEEStrategy()`` (no layout argument): profile the devices and links at setup, search
+      a plan (stages per network group, compute-aware partition, micro-batch count, batch shares
+      proportional to device speed) and run it.
+    - ``plan="plan.json"``: run a saved plan (``deepcee plan`` or ``Plan.to_json``), no search.
+    - any of ``partition``, ``schedule``, ``num_microbatches``, ``num_stages``, ``placement``:
+      a manual layout (one device per stage per replica; unset values default to a balanced
+      partition, ``1f1b`` and 4 micro-batches).
+
     Args:
+        plan: ``"auto"`` (the default when no manual argument is given) or a saved plan's path.
         partition: blocks per stage, either stage sizes (``[3, 2, 3]``) or block ranges
             (``[[0, 3], [3, 5], [5, 8]]``). ``None`` balances parameter counts.
         schedule: one of ``gpipe``, ``1f1b``, ``zb-h1``.
@@ -88,9 +106,10 @@ class DeepCEEStrategy(DDPStrategy):
 
     def __init__(
         self,
+        plan: str | None = None,
         partition: Sequence[int] | Sequence[Sequence[int]] | None = None,
-        schedule: str = "1f1b",
-        num_microbatches: int = 4,
+        schedule: str | None = None,
+        num_microbatches: int | None = None,
         num_stages: int | None = None,
         placement: Sequence[Sequence[int]] | None = None,
         profile: bool = False,
@@ -105,6 +124,17 @@ class DeepCEEStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
     ) -> None:
+        manual = any(
+            x is not None for x in (partition, schedule, num_microbatches, num_stages, placement)
+        )
+        if plan is not None and manual:
+            raise ValueError(
+                "DeepCEEStrategy(plan=...) decides partition, schedule, micro-batches and "
+                "placement; pass either a plan or those arguments, not both."
+            )
+        self.plan_arg = plan if plan is not None else (None if manual else "auto")
+        schedule = schedule or "1f1b"
+        num_microbatches = num_microbatches or 4
         if schedule not in SCHEDULE_KINDS:
             raise ValueError(
                 f"DeepCEEStrategy(schedule={schedule!r}) is unknown; choose one of "
@@ -139,7 +169,7 @@ class DeepCEEStrategy(DDPStrategy):
         self._num_stages_arg = num_stages
         if profile_budget_s <= 0:
             raise ValueError(f"DeepCEEStrategy(profile_budget_s={profile_budget_s}) must be > 0.")
-        self.profile = profile or profile_cache is not None
+        self.profile = profile or profile_cache is not None or self.plan_arg == "auto"
         self.profile_cache = profile_cache
         self.profile_budget_s = profile_budget_s
         self.cluster_profile: ClusterProfile | None = None
@@ -151,7 +181,9 @@ class DeepCEEStrategy(DDPStrategy):
         self._executor: PipelineExecutor | None = None
         self._eval_executor: PipelineExecutor | None = None
         self._stage_group: Any = None
+        self.plan: Plan | None = None
         self._pending_grads: list[torch.Tensor | None] | None = None
+        self._global_batch_size = 0
         self.last_step_stats: StepStats | None = None
         self.last_step_samples = 0
         self.last_step_tokens: int | None = None
@@ -160,16 +192,23 @@ class DeepCEEStrategy(DDPStrategy):
     @property
     def num_stages(self) -> int:
         """Pipeline depth (stages per replica)."""
+        if self.plan is not None:
+            return len(self.plan.stages)
         return self._num_stages_arg or self.world_size
 
     @property
     def num_replicas(self) -> int:
-        """Data-parallel pipeline replicas."""
-        return self.world_size // self.num_stages
+        """Data-parallel pipeline replicas, each reading its own shard of the data.
+
+        A plan has one: devices sharing a stage split every micro-batch by rows instead.
+        """
+        return 1 if self.plan is not None else self.world_size // self.num_stages
 
     @property
     def placement(self) -> list[list[int]]:
-        """Global ranks of each stage, one per replica."""
+        """Global ranks of each stage (one per replica, or a plan's devices of the stage)."""
+        if self.plan is not None:
+            return [list(st.ranks) for st in self.plan.stages]
         if self._placement_arg is not None:
             return [list(r) for r in self._placement_arg]
         s, d = self.num_stages, self.num_replicas
@@ -187,10 +226,14 @@ class DeepCEEStrategy(DDPStrategy):
 
     @property
     def replica_index(self) -> int:
-        return self._where()[1]
+        return 0 if self.plan is not None else self._where()[1]
 
-    def _rank_of(self, stage: int) -> int:
-        return self.placement[stage][self.replica_index]
+    def _layouts(self) -> list[StageLayout]:
+        """The pipeline this rank belongs to: per stage, its devices and their row shares."""
+        if self.plan is not None:
+            return [StageLayout(st.ranks, st.batch_shares) for st in self.plan.stages]
+        d = self.replica_index
+        return [StageLayout((ranks[d],), (1.0,)) for ranks in self.placement]
 
     @property
     @override
@@ -211,9 +254,9 @@ class DeepCEEStrategy(DDPStrategy):
         )
 
     # ------------------------------------------------------------------------------ setup
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
+    def _check_layout(self) -> None:
+        if self.plan is not None:
+            return  # Plan.check_matches has validated it
         if self.world_size % self.num_stages:
             raise ValueError(
                 f"DeepCEEStrategy(num_stages={self.num_stages}) must divide the number of "
@@ -228,9 +271,12 @@ class DeepCEEStrategy(DDPStrategy):
                 f"DeepCEEStrategy(placement={self.placement}) must list every rank 0.."
                 f"{self.world_size - 1} exactly once, with as many ranks in every stage."
             )
+
+    def _make_stage_groups(self) -> None:
         # Every rank creates every stage group, in the same order (new_group is collective).
+        self._stage_group = None
         for s, ranks in enumerate(self.placement):
-            group = dist.new_group(ranks) if self.num_replicas > 1 else None
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
             if s == self.stage_index:
                 self._stage_group = group
 
@@ -242,6 +288,11 @@ class DeepCEEStrategy(DDPStrategy):
         assert module is not None
         self.spec = get_pipeline_spec(module)
         num_blocks = len(self.spec.blocks)
+        if self.profile and trainer.state.fn == TrainerFn.FITTING:
+            self._profile_cluster(trainer)
+        if self.plan_arg is not None:
+            self.plan = self._load_or_search_plan(num_blocks)
+        self._check_layout()
         if self.num_stages > num_blocks:
             raise ValueError(
                 f"DeepCEEStrategy: {self.num_stages} pipeline stages but "
@@ -249,17 +300,19 @@ class DeepCEEStrategy(DDPStrategy):
                 f"Use at most {num_blocks} stages (num_stages or fewer devices), or split the "
                 "model into more blocks."
             )
-        if self.profile and trainer.state.fn == TrainerFn.FITTING:
-            self._profile_cluster(trainer)
         self.ranges = self._resolve_partition(num_blocks)
+        self._make_stage_groups()
         self.stage = build_stage(module, self.spec, self.ranges, self.stage_index)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        # The global-norm clip divides the all-reduced squared norm by the replica count.
-        self.precision_plugin.num_replicas = self.num_replicas  # type: ignore[attr-defined]
+        # Every device of a stage holds the same (all-reduced) gradient: the global-norm clip
+        # counts each stage once.
+        self.precision_plugin.norm_share = 1.0 / len(  # type: ignore[attr-defined]
+            self.placement[self.stage_index]
+        )
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._build_executors()
@@ -272,6 +325,7 @@ class DeepCEEStrategy(DDPStrategy):
         loader = trainer.fit_loop._data_source.dataloader()
         batch = next(iter(loader))
         batch = self.batch_to_device(batch)
+        self._global_batch_size = batch_size_of(batch)
         micro = split_batch(batch, split_sizes(batch_size_of(batch), self.num_microbatches))[0]
         options: dict[str, Any] = dict(
             loss_fn=self.spec.loss_fn,
@@ -291,6 +345,34 @@ class DeepCEEStrategy(DDPStrategy):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=0)
 
+    def _load_or_search_plan(self, num_blocks: int) -> Plan:
+        """A saved plan checked against this run, or the search's plan (rank 0, broadcast)."""
+        assert self.spec is not None
+        fingerprint = model_fingerprint(list(self.spec.blocks))
+        if self.plan_arg != "auto":
+            plan = Plan.from_json(str(self.plan_arg))
+            cluster = self.cluster_profile.cluster_fingerprint if self.cluster_profile else None
+            plan.check_matches(num_blocks, self.world_size, fingerprint, cluster)
+        else:
+            if self.cluster_profile is None:
+                raise ValueError(
+                    "DeepCEEStrategy plans automatically while fitting; for validate/test "
+                    "pass plan='plan.json' or a manual layout."
+                )
+            found: dict[str, Any] = {}
+            if self.is_global_zero:
+                found = plan_search(
+                    self.cluster_profile,
+                    num_blocks=num_blocks,
+                    global_batch_size=self._global_batch_size,
+                ).to_dict()
+            plan = Plan.from_dict(self.broadcast(found))
+        self.schedule_kind = plan.schedule
+        self.num_microbatches = plan.num_microbatches
+        self._partition_arg = [(st.block_range[0], st.block_range[1]) for st in plan.stages]
+        rank_zero_info("DeepCEE plan:\n" + plan.format_table())
+        return plan
+
     def _resolve_partition(self, num_blocks: int) -> list[tuple[int, int]]:
         if self._partition_arg is None:
             assert self.spec is not None
@@ -307,14 +389,13 @@ class DeepCEEStrategy(DDPStrategy):
 
     def _build_executors(self) -> None:
         assert self.stage is not None and self.spec is not None
-        placement = {s: self._rank_of(s) for s in range(self.num_stages)}
+        # The schedule is per stage; devices sharing a stage run the same list, and the router
+        # expands each transfer into the row pieces exchanged with the neighbouring devices.
+        placement = {s: s for s in range(self.num_stages)}
         common: dict[str, Any] = dict(
             stage=self.stage,
             transport=P2PTransport(self.root_device),
-            prev_rank=placement[self.stage_index - 1] if self.stage_index > 0 else None,
-            next_rank=(
-                placement[self.stage_index + 1] if self.stage_index < self.num_stages - 1 else None
-            ),
+            router=Router(self._layouts(), self.stage_index, self.global_rank),
             loss_fn=self.spec.loss_fn,
             input_fn=self.spec.input_fn,
             rank=self.global_rank,
@@ -325,8 +406,8 @@ class DeepCEEStrategy(DDPStrategy):
         evaluation = lower(forward_only(self.num_stages, m), placement)
         validate(evaluation, placement, m, require_backward=False)
         self._train_schedule = train
-        self._executor = PipelineExecutor(actions=train[self.global_rank], **common)
-        self._eval_executor = PipelineExecutor(actions=evaluation[self.global_rank], **common)
+        self._executor = PipelineExecutor(actions=train[self.stage_index], **common)
+        self._eval_executor = PipelineExecutor(actions=evaluation[self.stage_index], **common)
 
     def describe(self) -> str:
         """The partition and schedule, as printed at setup."""
@@ -350,19 +431,23 @@ class DeepCEEStrategy(DDPStrategy):
     # ----------------------------------------------------------------------------- steps
     def _run(self, executor: PipelineExecutor, batch: Any) -> torch.Tensor:
         total = batch_size_of(batch)
-        sizes = split_sizes(total, self.num_microbatches)
-        micro = split_batch(batch, sizes)
-        weights = [n / total for n in sizes]
-        loss = executor.run(micro, weights, forward_context=self.precision_plugin.forward_context)
+        micro = split_batch(batch, split_sizes(total, self.num_microbatches))
+        # Each rank weights its rows by rows / (samples of the step over all replicas), so the
+        # sums below (loss, stage gradients) are the whole-step means.
+        loss = executor.run(
+            micro,
+            total * self.num_replicas,
+            forward_context=self.precision_plugin.forward_context,
+        )
         value = torch.zeros((), dtype=torch.float32, device=self.root_device)
         if loss is not None:
             value = value + loss.detach().float()
-        # Every rank returns the real loss: the last stage of each replica contributes it.
+        # Every rank returns the real loss: the last-stage devices each contribute their rows.
         dist.all_reduce(value)
         self.last_step_samples = total * self.num_replicas
         tokens_fn = self.spec.tokens_fn if self.spec is not None else None
         self.last_step_tokens = tokens_fn(batch) * self.num_replicas if tokens_fn else None
-        return value / self.num_replicas
+        return value
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -378,7 +463,6 @@ class DeepCEEStrategy(DDPStrategy):
             for p in params:
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=self._stage_group)
-                    p.grad.div_(self.num_replicas)
         # Lightning zeroes gradients between training_step and backward: keep them aside.
         self._pending_grads = [p.grad for p in params]
         for p in params:
@@ -454,7 +538,7 @@ class DeepCEEStrategy(DDPStrategy):
             checkpoint,
             Path(filepath),
             stage_index=self.stage_index,
-            write_shard=self.replica_index == 0,
+            write_shard=self._where()[1] == 0,
             write_meta=self.is_global_zero,
             layout=layout,
         )

@@ -11,6 +11,7 @@ from lightning_deepcee.runtime.measure import (
     profile_cluster,
     profile_or_load,
 )
+from lightning_deepcee.runtime.routing import Piece, Router, StageLayout, split_rows
 from lightning_deepcee.runtime.stage import (
     PipelineSpec,
     Stage,
@@ -27,11 +28,14 @@ __all__ = [
     "BlockTimings",
     "NetworkMeasurement",
     "P2PTransport",
+    "Piece",
     "PipelineExecutionError",
     "PipelineExecutor",
     "PipelineSpec",
     "ProfilingTimeoutError",
+    "Router",
     "Stage",
+    "StageLayout",
     "StepStats",
     "TransferRecord",
     "available_memory_bytes",
@@ -44,5 +48,6 @@ __all__ = [
     "profile_cluster",
     "profile_or_load",
     "split_batch",
+    "split_rows",
     "split_sizes",
 ]

@@ -6,9 +6,15 @@ the input gradient and keeps the intermediate gradients the weights need; W fini
 gradients later from those, so splitting costs no recomputation. The first stage has no input
 gradient to send, so its B is empty and its W runs the whole backward.
 
-Gradient exactness: micro-batch ``i`` holding ``n_i`` of the batch's ``N`` samples has its mean
-loss scaled by ``n_i / N`` before backward, so the summed gradients equal the gradient of the
-whole-batch mean loss, whatever the (uneven) micro-batch sizes.
+Rows: a :class:`~lightning_deepcee.runtime.routing.Router` says which rows of each micro-batch
+this rank holds (all of them in a plain pipeline; a share of them when devices of a stage split
+the work) and which pieces travel to which neighbour. A rank holding no rows of a micro-batch
+skips it.
+
+Gradient exactness: the rows this rank holds of a micro-batch, ``n`` of the step's ``N`` samples
+(over every replica), have their mean loss scaled by ``n / N`` before backward, so gradients
+summed over micro-batches, devices and replicas equal the gradient of the whole-batch mean loss,
+whatever the (uneven) splits.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.profiler import record_function
 
-from lightning_deepcee.runtime.stage import Stage
+from lightning_deepcee.runtime.routing import Piece, Router
+from lightning_deepcee.runtime.stage import Stage, batch_size_of, split_batch
 from lightning_deepcee.runtime.transport import P2PTransport
 from lightning_deepcee.schedule import Action, ActionKind, render
 
@@ -58,6 +65,8 @@ class StepStats:
 @dataclass
 class _MicroBatchState:
     batch: Any = None
+    full_rows: int = 0
+    num_rows: int = 0
     weight: float = 1.0
     input: torch.Tensor | None = None
     output: torch.Tensor | None = None
@@ -74,7 +83,7 @@ class PipelineExecutor:
         stage: the local blocks.
         actions: the rank's lowered schedule.
         transport: point-to-point transport.
-        prev_rank / next_rank: global ranks of the neighbouring stages (``None`` at the ends).
+        router: rows and pieces exchanged with the neighbouring stages.
         loss_fn / input_fn: from the model's :class:`PipelineSpec`.
         rank: this rank, for error messages.
     """
@@ -85,8 +94,7 @@ class PipelineExecutor:
         stage: Stage,
         actions: Sequence[Action],
         transport: P2PTransport,
-        prev_rank: int | None,
-        next_rank: int | None,
+        router: Router,
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
         input_fn: Callable[[Any], torch.Tensor],
         rank: int,
@@ -94,8 +102,7 @@ class PipelineExecutor:
         self.stage = stage
         self.actions = list(actions)
         self.transport = transport
-        self.prev_rank = prev_rank
-        self.next_rank = next_rank
+        self.router = router
         self.loss_fn = loss_fn
         self.input_fn = input_fn
         self.rank = rank
@@ -104,7 +111,7 @@ class PipelineExecutor:
     def run(
         self,
         microbatches: Sequence[Any],
-        weights: Sequence[float],
+        total_rows: int,
         *,
         forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = (
             contextlib.nullcontext
@@ -112,21 +119,23 @@ class PipelineExecutor:
     ) -> torch.Tensor | None:
         """Run the schedule once; returns the weighted loss sum on the last stage, else ``None``.
 
+        ``microbatches`` are whole micro-batches (this rank takes its rows of each);
+        ``total_rows`` is the step's sample count over all replicas, the loss denominator.
         Gradients accumulate into the stage parameters' ``.grad``.
         """
-        states = [
-            _MicroBatchState(batch=mb, weight=w)
-            for mb, w in zip(microbatches, weights, strict=True)
-        ]
+        states = [self._state(mb, total_rows) for mb in microbatches]
         stats = StepStats()
         start = time.perf_counter()
         self.transport.records.clear()
         loss: torch.Tensor | None = None
         for pos, action in enumerate(self.actions):
+            st = states[action.microbatch]
+            if st.num_rows == 0:
+                continue  # this rank holds no rows of the micro-batch: nothing to do or send
             t0 = time.perf_counter()
             try:
                 with record_function(f"deepcee:{action}"):
-                    out = self._dispatch(action, states[action.microbatch], forward_context)
+                    out = self._dispatch(action, st, forward_context)
             except Exception as exc:
                 raise PipelineExecutionError(
                     f"rank {self.rank}, stage {self.stage.stage_index}: action {action} "
@@ -141,6 +150,16 @@ class PipelineExecutor:
         self.last_stats = stats
         return loss
 
+    def _state(self, microbatch: Any, total_rows: int) -> _MicroBatchState:
+        rows = batch_size_of(microbatch)
+        start, end = self.router.my_rows(rows)
+        local = microbatch
+        if (start, end) != (0, rows):
+            local = split_batch(microbatch, [start, end - start, rows - end])[1]
+        return _MicroBatchState(
+            batch=local, full_rows=rows, num_rows=end - start, weight=(end - start) / total_rows
+        )
+
     def _params(self) -> Iterator[torch.nn.Parameter]:
         return iter(self.stage.parameters())
 
@@ -154,21 +173,19 @@ class PipelineExecutor:
         if kind == K.F:
             return self._forward(st, forward_context)
         if kind == K.RECV_F:
-            assert self.prev_rank is not None
-            x = self.transport.recv(self.prev_rank)
+            x = self._gather(self.router.prev_pieces(st.full_rows))
             st.input = x.requires_grad_(torch.is_grad_enabled() and x.is_floating_point())
         elif kind == K.SEND_F:
-            assert self.next_rank is not None and st.output is not None
-            self.transport.send(st.output, self.next_rank)
+            assert st.output is not None
+            self._scatter(st.output, self.router.next_pieces(st.full_rows))
             if not torch.is_grad_enabled():
                 st.output = None
         elif kind == K.RECV_B:
-            assert self.next_rank is not None
-            st.output_grad = self.transport.recv(self.next_rank)
+            st.output_grad = self._gather(self.router.next_pieces(st.full_rows))
         elif kind == K.SEND_B:
-            assert self.prev_rank is not None and st.input is not None
+            assert st.input is not None
             grad = st.input_grad if st.input_grad is not None else torch.zeros_like(st.input)
-            self.transport.send(grad, self.prev_rank)
+            self._scatter(grad, self.router.prev_pieces(st.full_rows))
             st.input_grad = None
             st.input = None
         elif kind == K.BW:
@@ -178,6 +195,15 @@ class PipelineExecutor:
         elif kind == K.W:
             self._backward_weight(st)
         return None
+
+    def _gather(self, pieces: Sequence[Piece]) -> torch.Tensor:
+        parts = [self.transport.recv(p.peer) for p in pieces]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _scatter(self, tensor: torch.Tensor, pieces: Sequence[Piece]) -> None:
+        for p in pieces:
+            whole = p.start == 0 and p.end == tensor.shape[0]
+            self.transport.send(tensor if whole else tensor[p.start : p.end], p.peer)
 
     def _forward(
         self,

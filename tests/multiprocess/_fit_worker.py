@@ -30,8 +30,9 @@ warnings.filterwarnings("ignore")
 
 def _trainer(cfg: dict[str, Any], root: Path, **overrides: Any) -> pl.Trainer:
     strategy = DeepCEEStrategy(
-        schedule=cfg["schedule"],
-        num_microbatches=cfg["num_microbatches"],
+        plan=cfg.get("plan"),
+        schedule=cfg.get("schedule"),
+        num_microbatches=cfg.get("num_microbatches"),
         partition=cfg.get("partition"),
         num_stages=cfg.get("num_stages"),
         placement=cfg.get("placement"),

@@ -21,7 +21,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_deepcee.planner import Plan, StagePlan
 from lightning_deepcee.profiler import ClusterProfile
+from lightning_deepcee.runtime.measure import model_fingerprint
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _models import TinyNet, make_loader
@@ -118,9 +120,35 @@ def test_schedules_match_single_process(tmp_path: Path, world: int) -> None:
     _assert_equal(_merged(tmp_path / "clip", world), _reference(4, clip=0.05, optimizer="sgd"))
 
 
+def _asymmetric_plan(path: Path) -> str:
+    """Stage 0 shared by ranks 0 and 1 (60/40 rows), then rank 2, then rank 3."""
+    stages = (
+        StagePlan(block_range=(0, 2), ranks=(1, 0), batch_shares=(0.6, 0.4)),
+        StagePlan(block_range=(2, 5), ranks=(3,), batch_shares=(1.0,)),
+        StagePlan(block_range=(5, 6), ranks=(2,), batch_shares=(1.0,)),
+    )
+    plan = Plan(
+        stages=stages,
+        schedule="zb-h1",
+        num_microbatches=3,
+        global_batch_size=10,
+        predicted_step_time_s=1.0,
+        predicted_bubble_ratio=0.0,
+        predicted_peak_memory_bytes={r: 0 for r in range(4)},
+        model_fingerprint=model_fingerprint(TinyNet().configure_pipeline().blocks),
+        cluster_fingerprint="",
+    )
+    plan.to_json(path)
+    return str(path)
+
+
 def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
     world = 4
     configs: list[dict[str, Any]] = [
+        # A saved plan with asymmetric data parallelism inside stage 0.
+        {"name": "plan", "plan": _asymmetric_plan(tmp_path / "plan.json"), "steps": 3},
+        # DeepCEEStrategy() with no layout argument: profile, search a plan, run it.
+        {"name": "auto", "steps": 3},
         {"name": "resume", "schedule": "1f1b", "num_microbatches": 3, "resume": True},
         {"name": "cons", "schedule": "gpipe", "num_microbatches": 2, "steps": 3,
          "consolidate": True},
@@ -153,6 +181,8 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
         _reference(3, num_samples=60, batch_sampler=_replica_batches(60, 2, per_replica=10)),
     )
     _assert_equal(_merged(tmp_path / "placed", world), _reference(3))
+    _assert_equal(_merged(tmp_path / "plan", world), _reference(3))
+    _assert_equal(_merged(tmp_path / "auto", world), _reference(3))
     _assert_equal(_merged(tmp_path / "profiled", world), _reference(3))
     profile = ClusterProfile.from_yaml(tmp_path / "profiled" / "profile.yaml")
     assert profile.num_devices == world and profile.num_blocks == 6
