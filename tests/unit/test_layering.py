@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "lightning_deepcee"
-CORE = ["schedule", "planner", "profiler"]
+CORE = ["schedule", "planner", "profiler", "adapter"]
 FORBIDDEN = ("lightning", "pytorch_lightning", "torch")
 
 
