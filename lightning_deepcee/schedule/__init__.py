@@ -10,6 +10,11 @@ from lightning_deepcee.schedule.actions import (
     parse_action,
     parse_actions,
 )
+from lightning_deepcee.schedule.compact import (
+    COST_AWARE_SCHEDULE_KINDS,
+    compact_zero_bubble,
+    generate_for_costs,
+)
 from lightning_deepcee.schedule.generators import (
     SCHEDULE_KINDS,
     StageSchedule,
@@ -25,6 +30,7 @@ from lightning_deepcee.schedule.timeline import plot_timeline
 from lightning_deepcee.schedule.validate import ScheduleError, validate
 
 __all__ = [
+    "COST_AWARE_SCHEDULE_KINDS",
     "SCHEDULE_KINDS",
     "Action",
     "ActionKind",
@@ -34,8 +40,10 @@ __all__ = [
     "SimulationResult",
     "StageCosts",
     "StageSchedule",
+    "compact_zero_bubble",
     "format_actions",
     "generate",
+    "generate_for_costs",
     "gpipe",
     "lower",
     "one_f_one_b",
