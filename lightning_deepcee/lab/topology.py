@@ -1,0 +1,362 @@
+"""Lab topologies: regions, devices and the links between them, parsed and validated (pure).
+
+A topology YAML looks like::
+
+    name: cee6
+    regions:                       # one switch (Linux bridge) per region
+      cloud: {lan_mbit: 1000}      # bandwidth of each device's link to its region switch
+      edge: {lan_mbit: 1000}
+    devices:                       # one emulated host per device; rank order = list order
+      - {name: cloud0, region: cloud, cpu: 0.2}   # cpu: fraction of ALL the machine's cores
+      - {name: edge0, region: edge, cpu: 0.1}
+    wan:                           # region-to-region links; the region graph must be a tree
+      - {regions: [cloud, edge], mbit: 100}
+
+Latency, delay, loss and jitter are refused: this kernel has no ``netem``, so the lab can only
+shape bandwidth (htb). Latency belongs in the simulator (``lightning_deepcee.schedule.simulate``).
+Nothing here imports Mininet; every check runs without root.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "LATENCY_KEYS",
+    "MAX_LINK_MBIT",
+    "Device",
+    "Region",
+    "Topology",
+    "WanLink",
+    "load_topology",
+    "refuse_latency_keys",
+]
+
+MAX_LINK_MBIT = 1000.0
+"""Mininet's TCLink ignores (with only a log line) any ``bw`` above 1000 Mbit/s."""
+
+LATENCY_KEYS = frozenset(
+    {
+        "latency",
+        "latency_ms",
+        "latency_s",
+        "delay",
+        "delay_ms",
+        "delay_s",
+        "loss",
+        "loss_pct",
+        "jitter",
+        "jitter_ms",
+        "jitter_s",
+    }
+)
+_NO_NETEM = (
+    "this kernel has no netem qdisc, so the lab cannot emulate latency, loss or jitter (only "
+    "bandwidth). Remove the key; model latency in the simulator instead (see docs/lab.md)."
+)
+# Device names become Mininet host names, cgroup names and interface names: the switch-side
+# port is "dlab<region index>-<device>" and Linux limits interface names to 15 characters.
+_DEVICE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,8}$")
+_REGION_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+_RESERVED_PREFIX = "dlab"
+_MAX_REGIONS = 10
+
+
+def refuse_latency_keys(entry: Mapping[str, Any], where: str) -> None:
+    """Raise ValueError if ``entry`` asks for latency, delay, loss or jitter."""
+    bad = sorted(k for k in entry if str(k).lower() in LATENCY_KEYS)
+    if bad:
+        raise ValueError(f"{where}.{bad[0]}: {_NO_NETEM}")
+
+
+def _check_keys(entry: Any, where: str, required: set[str], optional: set[str]) -> None:
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"{where} must be a mapping, got {type(entry).__name__}: {entry!r}")
+    refuse_latency_keys(entry, where)
+    unknown = sorted(set(map(str, entry)) - required - optional)
+    if unknown:
+        raise ValueError(
+            f"{where}.{unknown[0]} is not a known key; allowed: {sorted(required | optional)}"
+        )
+    missing = sorted(required - set(entry))
+    if missing:
+        raise ValueError(f"{where}.{missing[0]} is required")
+
+
+def _mbit(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{where} must be a number of Mbit/s, got {value!r}")
+    if not 0 < value <= MAX_LINK_MBIT:
+        raise ValueError(
+            f"{where}={value} Mbit/s is out of range: use 0 < {where.rsplit('.', 1)[-1]} <= "
+            f"{MAX_LINK_MBIT:g} (Mininet's TCLink limit)"
+        )
+    return float(value)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Region:
+    """One region (cloud, edge, end): a switch that its devices hang off."""
+
+    name: str
+    """Region name, used in WAN links and traces."""
+    lan_mbit: float
+    """Bandwidth of each device-to-switch link in this region, in Mbit/s (htb-shaped)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Device:
+    """One emulated device: a Mininet host with a CPU share, running one process."""
+
+    name: str
+    """Host name (also its log prefix, cgroup name and ``<name>-eth0`` interface)."""
+    region: str
+    """The region whose switch this device's LAN link joins."""
+    cpu: float
+    """CPU quota as a fraction of ALL cores (Mininet's ``cpu=``): on 2 cores, 0.2 = 40% of one."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WanLink:
+    """A wide-area link between two region switches."""
+
+    regions: tuple[str, str]
+    """The two regions it joins (order does not matter)."""
+    mbit: float
+    """Bandwidth in Mbit/s, in each direction (htb-shaped on both ends)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Topology:
+    """Regions, devices (rank order) and WAN links; validated on construction."""
+
+    name: str
+    regions: tuple[Region, ...]
+    devices: tuple[Device, ...]
+    wan: tuple[WanLink, ...] = ()
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ------------------------------------------------------------------ lookups
+    def region(self, name: str) -> Region:
+        for region in self.regions:
+            if region.name == name:
+                return region
+        raise ValueError(f"unknown region {name!r}; known: {[r.name for r in self.regions]}")
+
+    def region_index(self, name: str) -> int:
+        return [r.name for r in self.regions].index(self.region(name).name)
+
+    def device(self, name: str) -> Device:
+        for device in self.devices:
+            if device.name == name:
+                return device
+        raise ValueError(f"unknown device {name!r}; known: {[d.name for d in self.devices]}")
+
+    def devices_in(self, region: str) -> tuple[Device, ...]:
+        return tuple(d for d in self.devices if d.region == region)
+
+    def wan_link(self, a: str, b: str) -> WanLink:
+        for link in self.wan:
+            if set(link.regions) == {a, b}:
+                return link
+        raise ValueError(f"no WAN link between regions {a!r} and {b!r}")
+
+    def link_mbit(self, endpoints: Sequence[str]) -> float:
+        """Configured bandwidth of ``[region, region]`` (WAN) or ``[device, region]`` (LAN)."""
+        kind, a, b = self.resolve_link(endpoints)
+        return self.wan_link(a, b).mbit if kind == "wan" else self.region(b).lan_mbit
+
+    def resolve_link(self, endpoints: Sequence[str], where: str = "link") -> tuple[str, str, str]:
+        """``("wan", region_a, region_b)`` or ``("lan", device, region)``; ValueError otherwise."""
+        if len(endpoints) != 2 or not all(isinstance(e, str) for e in endpoints):
+            raise ValueError(f"{where} must be two names, got {endpoints!r}")
+        a, b = endpoints
+        regions = {r.name for r in self.regions}
+        devices = {d.name: d for d in self.devices}
+        if a in regions and b in regions:
+            if not any(set(w.regions) == {a, b} for w in self.wan):
+                raise ValueError(f"{where}={[a, b]}: no WAN link joins regions {a!r} and {b!r}")
+            return "wan", a, b
+        if b in devices and a in regions:
+            a, b = b, a
+        if a in devices and b in regions:
+            if devices[a].region != b:
+                raise ValueError(
+                    f"{where}={[a, b]}: device {a!r} is in region {devices[a].region!r}, not {b!r}"
+                )
+            return "lan", a, b
+        unknown = [e for e in (a, b) if e not in regions and e not in devices]
+        raise ValueError(
+            f"{where}={list(endpoints)}: "
+            + (f"unknown name {unknown[0]!r}" if unknown else "two devices are not a link")
+            + "; use [region, region] for a WAN link or [device, its region] for a LAN link"
+        )
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "regions": {r.name: {"lan_mbit": r.lan_mbit} for r in self.regions},
+            "devices": [{"name": d.name, "region": d.region, "cpu": d.cpu} for d in self.devices],
+            "wan": [{"regions": list(w.regions), "mbit": w.mbit} for w in self.wan],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, default_name: str = "lab") -> Topology:
+        _check_keys(data, "topology", {"regions", "devices"}, {"name", "wan"})
+        regions_in = data["regions"]
+        if not isinstance(regions_in, Mapping) or not regions_in:
+            raise ValueError("topology.regions must be a non-empty mapping of region name to {...}")
+        regions = []
+        for name, entry in regions_in.items():
+            where = f"regions.{name}"
+            _check_keys(entry, where, {"lan_mbit"}, set())
+            regions.append(
+                Region(name=str(name), lan_mbit=_mbit(entry["lan_mbit"], where + ".lan_mbit"))
+            )
+        devices_in = data["devices"]
+        if not isinstance(devices_in, list) or not devices_in:
+            raise ValueError("topology.devices must be a non-empty list of {name, region, cpu}")
+        devices = []
+        for i, entry in enumerate(devices_in):
+            where = f"devices[{i}]"
+            _check_keys(entry, where, {"name", "region", "cpu"}, set())
+            cpu = entry["cpu"]
+            if isinstance(cpu, bool) or not isinstance(cpu, int | float) or not 0 < cpu <= 1:
+                raise ValueError(
+                    f"{where}.cpu={cpu!r} must be a fraction of all cores in (0, 1] "
+                    "(Mininet's CPULimitedHost cpu=)"
+                )
+            devices.append(
+                Device(name=str(entry["name"]), region=str(entry["region"]), cpu=float(cpu))
+            )
+        wan_in = data.get("wan") or []
+        if not isinstance(wan_in, list):
+            raise ValueError("topology.wan must be a list of {regions: [a, b], mbit}")
+        wan = []
+        for i, entry in enumerate(wan_in):
+            where = f"wan[{i}]"
+            _check_keys(entry, where, {"regions", "mbit"}, set())
+            pair = entry["regions"]
+            if not isinstance(pair, list | tuple) or len(pair) != 2:
+                raise ValueError(f"{where}.regions must be two region names, got {pair!r}")
+            wan.append(
+                WanLink(
+                    regions=(str(pair[0]), str(pair[1])), mbit=_mbit(entry["mbit"], where + ".mbit")
+                )
+            )
+        return cls(
+            name=str(data.get("name", default_name)),
+            regions=tuple(regions),
+            devices=tuple(devices),
+            wan=tuple(wan),
+        )
+
+
+def _validate(topo: Topology) -> None:
+    region_names = [r.name for r in topo.regions]
+    if not region_names:
+        raise ValueError("topology.regions is empty; declare at least one region")
+    if len(region_names) > _MAX_REGIONS:
+        raise ValueError(
+            f"topology.regions has {len(region_names)} regions; at most {_MAX_REGIONS}"
+        )
+    _unique(region_names, "regions")
+    for r in topo.regions:
+        if not _REGION_NAME.match(r.name):
+            raise ValueError(f"regions.{r.name}: region names must match {_REGION_NAME.pattern}")
+        _mbit(r.lan_mbit, f"regions.{r.name}.lan_mbit")
+    if not topo.devices:
+        raise ValueError("topology.devices is empty; declare at least one device")
+    device_names = [d.name for d in topo.devices]
+    _unique(device_names, "devices")
+    for i, d in enumerate(topo.devices):
+        where = f"devices[{i}]"
+        if not _DEVICE_NAME.match(d.name) or d.name.startswith(_RESERVED_PREFIX):
+            raise ValueError(
+                f"{where}.name={d.name!r}: device names must match {_DEVICE_NAME.pattern} (they "
+                f"become interface names, 15 characters at most) and not start with "
+                f"{_RESERVED_PREFIX!r}"
+            )
+        if d.name in region_names:
+            raise ValueError(f"{where}.name={d.name!r} is also a region name; rename one of them")
+        if d.region not in region_names:
+            raise ValueError(f"{where}.region={d.region!r} is not a region; known: {region_names}")
+        if not 0 < d.cpu <= 1:
+            raise ValueError(f"{where}.cpu={d.cpu} must be in (0, 1]")
+    total_cpu = sum(d.cpu for d in topo.devices)
+    if total_cpu > 1.0 + 1e-9:
+        raise ValueError(
+            f"devices[*].cpu sum to {total_cpu:.3f} > 1.0: cpu is a fraction of ALL the machine's "
+            "cores, so the shares cannot exceed the machine; scale them down"
+        )
+    for name in region_names:
+        if not topo.devices_in(name):
+            raise ValueError(f"regions.{name} has no device; add one or remove the region")
+    _validate_wan(topo, region_names)
+
+
+def _validate_wan(topo: Topology, region_names: list[str]) -> None:
+    seen: set[frozenset[str]] = set()
+    parent = {name: name for name in region_names}
+
+    def root(x: str) -> str:
+        while parent[x] != x:
+            x = parent[x]
+        return x
+
+    for i, link in enumerate(topo.wan):
+        where = f"wan[{i}]"
+        a, b = link.regions
+        for end in (a, b):
+            if end not in region_names:
+                raise ValueError(f"{where}.regions: {end!r} is not a region; known: {region_names}")
+        if a == b:
+            raise ValueError(f"{where}.regions=[{a}, {b}] joins a region to itself")
+        _mbit(link.mbit, f"{where}.mbit")
+        key = frozenset((a, b))
+        if key in seen:
+            raise ValueError(f"{where}.regions=[{a}, {b}]: duplicate WAN link")
+        seen.add(key)
+        ra, rb = root(a), root(b)
+        if ra == rb:
+            raise ValueError(
+                f"{where}.regions=[{a}, {b}] closes a cycle in the region graph; the lab's Linux "
+                "bridges run without STP, so the WAN links must form a tree: remove one link"
+            )
+        parent[ra] = rb
+    groups = {root(name) for name in region_names}
+    if len(groups) > 1:
+        raise ValueError(
+            f"the WAN links leave the regions disconnected ({len(groups)} parts); add "
+            f"{len(groups) - 1} wan link(s) so every region is reachable"
+        )
+
+
+def _unique(names: list[str], field: str) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"{field}: duplicate name {name!r}; names must be unique")
+        seen.add(name)
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Read and validate a topology YAML file."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"topology file {str(path)!r} does not exist") from None
+    try:
+        return Topology.from_dict(data, default_name=path.stem)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
