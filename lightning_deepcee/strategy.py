@@ -98,7 +98,9 @@ class DeepCEEStrategy(DDPStrategy):
             and the cluster are unchanged (otherwise re-measured with a warning).
         profile_budget_s: the network measurement fails with an error naming the pair it was
             measuring when it takes longer than this.
-        timeout_s: seconds a collective or transfer may block before the process group fails.
+        timeout_s: seconds a collective or transfer may block before the process group fails;
+            a dead device or link therefore stops every rank within about this long, with an
+            error naming the lost rank and its stage (Lightning's default is 30 minutes).
         verbose: print the partition and schedule on rank 0 at setup.
     """
 
@@ -115,7 +117,7 @@ class DeepCEEStrategy(DDPStrategy):
         profile: bool = False,
         profile_cache: str | None = None,
         profile_budget_s: float = 60.0,
-        timeout_s: float = 1800.0,
+        timeout_s: float = 60.0,
         verbose: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -254,6 +256,28 @@ class DeepCEEStrategy(DDPStrategy):
         )
 
     # ------------------------------------------------------------------------------ setup
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._check_versions()
+
+    def _check_versions(self) -> None:
+        """Every rank must run the same versions: a mismatch fails early, naming the ranks."""
+        import lightning
+
+        from lightning_deepcee import __version__
+
+        mine = {"lightning_deepcee": __version__, "torch": torch.__version__}
+        mine["lightning"] = lightning.__version__
+        gathered: list[dict[str, str] | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        differing = {r: v for r, v in enumerate(gathered) if v != gathered[0]}
+        if differing:
+            raise RuntimeError(
+                f"DeepCEEStrategy: package versions differ across ranks: rank 0 has "
+                f"{gathered[0]}, but {differing}. Install the same versions everywhere."
+            )
+
     def _check_layout(self) -> None:
         if self.plan is not None:
             return  # Plan.check_matches has validated it

@@ -32,7 +32,7 @@ from torch.profiler import record_function
 
 from lightning_deepcee.runtime.routing import Piece, Router
 from lightning_deepcee.runtime.stage import Stage, batch_size_of, split_batch
-from lightning_deepcee.runtime.transport import P2PTransport
+from lightning_deepcee.runtime.transport import P2PTransport, PeerLostError
 from lightning_deepcee.schedule import Action, ActionKind, render
 
 __all__ = ["PipelineExecutionError", "PipelineExecutor", "StepStats"]
@@ -173,7 +173,7 @@ class PipelineExecutor:
         if kind == K.F:
             return self._forward(st, forward_context)
         if kind == K.RECV_F:
-            x = self._gather(self.router.prev_pieces(st.full_rows))
+            x = self._gather(self.router.prev_pieces(st.full_rows), self.stage.stage_index - 1)
             st.input = x.requires_grad_(torch.is_grad_enabled() and x.is_floating_point())
         elif kind == K.SEND_F:
             assert st.output is not None
@@ -181,7 +181,9 @@ class PipelineExecutor:
             if not torch.is_grad_enabled():
                 st.output = None
         elif kind == K.RECV_B:
-            st.output_grad = self._gather(self.router.next_pieces(st.full_rows))
+            st.output_grad = self._gather(
+                self.router.next_pieces(st.full_rows), self.stage.stage_index + 1
+            )
         elif kind == K.SEND_B:
             assert st.input is not None
             grad = st.input_grad if st.input_grad is not None else torch.zeros_like(st.input)
@@ -196,8 +198,15 @@ class PipelineExecutor:
             self._backward_weight(st)
         return None
 
-    def _gather(self, pieces: Sequence[Piece]) -> torch.Tensor:
-        parts = [self.transport.recv(p.peer) for p in pieces]
+    def _gather(self, pieces: Sequence[Piece], peer_stage: int) -> torch.Tensor:
+        try:
+            parts = [self.transport.recv(p.peer) for p in pieces]
+        except PeerLostError as exc:
+            raise PeerLostError(
+                exc.peer,
+                f"lost rank {exc.peer} (stage {peer_stage}): it stopped answering; the device or "
+                f"its link is down. {exc}",
+            ) from exc
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _scatter(self, tensor: torch.Tensor, pieces: Sequence[Piece]) -> None:

@@ -17,7 +17,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["MAX_DIMS", "P2PTransport", "TransferRecord"]
+__all__ = ["MAX_DIMS", "P2PTransport", "PeerLostError", "TransferRecord"]
+
+
+class PeerLostError(RuntimeError):
+    """A transfer with ``peer`` failed: the process died, its link went down, or it timed out."""
+
+    def __init__(self, peer: int, message: str) -> None:
+        super().__init__(message)
+        self.peer = peer
+
 
 MAX_DIMS = 8
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -81,12 +90,19 @@ class P2PTransport:
         """Block until the next tensor from global rank ``src`` has arrived and return it."""
         start = time.perf_counter()
         header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
-        dist.recv(header, src, group=self.group)
-        values = header.tolist()
-        dtype = _DTYPES[values[0]]
-        shape = values[2 : 2 + values[1]]
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(buf, src, group=self.group)
+        try:
+            dist.recv(header, src, group=self.group)
+            values = header.tolist()
+            dtype = _DTYPES[values[0]]
+            shape = values[2 : 2 + values[1]]
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.recv(buf, src, group=self.group)
+        except RuntimeError as exc:
+            raise PeerLostError(
+                src,
+                f"receiving from rank {src} failed after {time.perf_counter() - start:.1f} s"
+                f": {exc}",
+            ) from exc
         self.records.append(
             TransferRecord(
                 src, buf.numel() * buf.element_size(), time.perf_counter() - start, "recv"
@@ -97,7 +113,11 @@ class P2PTransport:
     def wait_sends(self) -> float:
         """Wait for every outstanding send; returns the seconds spent waiting."""
         start = time.perf_counter()
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        try:
+            for work, _ in self._pending:
+                work.wait()
+        except RuntimeError as exc:
+            raise PeerLostError(-1, f"a send did not complete: {exc}") from exc
+        finally:
+            self._pending.clear()
         return time.perf_counter() - start
