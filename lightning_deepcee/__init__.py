@@ -5,13 +5,14 @@ Importing the package registers ``strategy="deepcee"`` in Lightning's StrategyRe
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_deepcee.callbacks import PipelineThroughputMonitor
+from lightning_deepcee.callbacks import DynamicEnvironmentAdapter, PipelineThroughputMonitor
 from lightning_deepcee.checkpoint import consolidate_checkpoint
 from lightning_deepcee.runtime.stage import PipelineSpec
 from lightning_deepcee.strategy import DeepCEEStrategy
 
 __all__ = [
     "DeepCEEStrategy",
+    "DynamicEnvironmentAdapter",
     "PipelineSpec",
     "PipelineThroughputMonitor",
     "consolidate_checkpoint",

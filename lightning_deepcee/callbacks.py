@@ -15,9 +15,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-__all__ = ["PipelineThroughputMonitor"]
+__all__ = ["DynamicEnvironmentAdapter", "PipelineThroughputMonitor"]
 
 
 class PipelineThroughputMonitor(Callback):
@@ -88,3 +89,175 @@ class PipelineThroughputMonitor(Callback):
                 metrics[f"deepcee/stage{rank}_transfer_s"] = float(gathered[rank][1])
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+class DynamicEnvironmentAdapter(Callback):
+    """Follows the links at run time: finer micro-batches when a link slows, re-plan when it stays.
+
+    A thin shim over :class:`~lightning_deepcee.adapter.LinkMonitor` (pure, see docs/adapter.md).
+    Each step every rank turns its *received* transfers (bytes and seconds blocked) into link
+    observations. The first ``calibration_steps`` steps set what each link normally delivers
+    under this schedule (receive times include waiting for the sender, so a profile's raw
+    bandwidth would not be comparable); then the monitor compares each window median with it.
+
+    Decisions are gathered on every rank so all ranks act on the same step:
+
+    - ``split`` / ``merge`` (fast response): the step's micro-batch count becomes the configured
+      count times the largest split in force, from the next step on, so a stage behind a slow link
+      starts on smaller pieces sooner; it returns to the configured count when links recover.
+    - ``replan`` (slow response): logged with the new bandwidth. Moving blocks and their
+      optimizer state between devices mid-run is not implemented yet.
+
+    Every decision goes to the console and to the loggers (``deepcee/adapter_microbatches``).
+    The state (monitor windows, splits, calibration) is saved in checkpoints.
+    """
+
+    def __init__(
+        self,
+        slow_threshold: float = 1.5,
+        fast_threshold: float = 1.25,
+        window: int = 5,
+        react_after: int = 3,
+        replan_after: int = 20,
+        min_bytes: int = 65536,
+        max_split: int = 4,
+        calibration_steps: int = 10,
+    ) -> None:
+        from lightning_deepcee.adapter import MonitorConfig
+
+        self.config = MonitorConfig(
+            slow_threshold=slow_threshold,
+            fast_threshold=fast_threshold,
+            window=window,
+            react_after=react_after,
+            replan_after=replan_after,
+            min_bytes=min_bytes,
+            max_split=max_split,
+        )
+        if calibration_steps < 1:
+            raise ValueError(f"calibration_steps must be >= 1, got {calibration_steps}")
+        self.calibration_steps = calibration_steps
+        self.monitor: Any = None
+        self._calibration: dict[str, list[float]] = {}
+        self._splits: dict[str, int] = {}
+        self._base_microbatches: int | None = None
+        self.decisions: list[dict[str, Any]] = []
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = _deepcee(trainer)
+        if self._base_microbatches is None:
+            self._base_microbatches = strategy.num_microbatches
+        self._apply(trainer)  # after a resume, re-apply the split in force
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        from lightning_deepcee.adapter import LinkMonitor, observations_from_transfers
+
+        strategy = _deepcee(trainer)
+        step = trainer.global_step
+        received = [r for r in strategy.transfer_records if r.direction == "recv"]
+        observations = [
+            o
+            for o in observations_from_transfers(step, strategy.global_rank, received)
+            if o.num_bytes >= self.config.min_bytes and o.seconds > 0
+        ]
+        if self.monitor is None:
+            for o in observations:
+                key = f"{o.src}->{o.dst}"
+                self._calibration.setdefault(key, []).append(o.num_bytes / o.seconds)
+            if step < self.calibration_steps:
+                return
+            expected = _median_per_link(strategy, self._calibration)
+            self.monitor = LinkMonitor(expected, None, self.config)
+            return
+        mine = [d.to_dict() for d in self.monitor.observe(step, observations)]
+        gathered: list[list[dict[str, Any]] | None] = [None] * strategy.world_size
+        torch.distributed.all_gather_object(gathered, mine)
+        decisions = [d for part in gathered for d in (part or [])]
+        if decisions:
+            self._decide(trainer, strategy, decisions)
+
+    def _decide(self, trainer: pl.Trainer, strategy: Any, decisions: list[dict[str, Any]]) -> None:
+        for d in decisions:
+            key = f"{d['link'][0]}->{d['link'][1]}"
+            if d["kind"] in ("split", "merge"):
+                self._splits[key] = int(d["split_factor"])
+            self.decisions.append(d)
+            rank_zero_info(
+                f"DeepCEE adapter: step {d['step']} link {key} {d['kind']} "
+                f"x{d['split_factor']}: {d['old_bandwidth'] / 1e6:.3g} -> "
+                f"{d['new_bandwidth'] / 1e6:.3g} MB/s ({d['reason']})"
+            )
+            for logger in trainer.loggers:
+                logger.log_metrics(
+                    {f"deepcee/adapter_link{key}_mb_per_s": d["new_bandwidth"] / 1e6},
+                    step=trainer.global_step,
+                )
+        self._apply(trainer)
+
+    def _apply(self, trainer: pl.Trainer) -> None:
+        strategy = _deepcee(trainer)
+        base = self._base_microbatches or strategy.num_microbatches
+        target = base * max(self._splits.values(), default=1)
+        if target != strategy.num_microbatches:
+            strategy.set_num_microbatches(target)
+            for logger in trainer.loggers:
+                logger.log_metrics(
+                    {"deepcee/adapter_microbatches": float(target)}, step=trainer.global_step
+                )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "monitor": None if self.monitor is None else self.monitor.state_dict(),
+            "calibration": self._calibration,
+            "splits": self._splits,
+            "base_microbatches": self._base_microbatches,
+            "decisions": self.decisions,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from lightning_deepcee.adapter import LinkMonitor
+
+        self._calibration = dict(state_dict["calibration"])
+        self._splits = dict(state_dict["splits"])
+        self._base_microbatches = state_dict["base_microbatches"]
+        self.decisions = list(state_dict["decisions"])
+        self.monitor = None
+        if state_dict["monitor"] is not None:
+            self.monitor = LinkMonitor({}, None, self.config)
+            self.monitor.load_state_dict(state_dict["monitor"])
+
+
+def _deepcee(trainer: pl.Trainer) -> Any:
+    from lightning_deepcee.strategy import DeepCEEStrategy
+
+    if not isinstance(trainer.strategy, DeepCEEStrategy):
+        raise TypeError("This callback needs Trainer(strategy=DeepCEEStrategy()).")
+    return trainer.strategy
+
+
+def _median_per_link(
+    strategy: Any, samples: dict[str, list[float]]
+) -> dict[tuple[int, int], float]:
+    """Every rank's calibration medians, gathered so all ranks watch every link alike."""
+    import statistics
+
+    mine = {k: statistics.median(v) for k, v in samples.items() if v}
+    gathered: list[dict[str, float] | None] = [None] * strategy.world_size
+    torch.distributed.all_gather_object(gathered, mine)
+    expected: dict[tuple[int, int], float] = {}
+    for part in gathered:
+        for key, value in (part or {}).items():
+            src, dst = key.split("->")
+            expected[(int(src), int(dst))] = value
+    return expected

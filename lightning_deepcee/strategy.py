@@ -59,6 +59,7 @@ from lightning_deepcee.runtime import (
 from lightning_deepcee.runtime.executor import StepStats
 from lightning_deepcee.runtime.measure import model_fingerprint, profile_cluster, profile_or_load
 from lightning_deepcee.runtime.routing import Router, StageLayout
+from lightning_deepcee.runtime.transport import TransferRecord
 from lightning_deepcee.schedule import SCHEDULE_KINDS, generate, lower, render, validate
 from lightning_deepcee.schedule.generators import forward_only
 
@@ -432,6 +433,23 @@ class DeepCEEStrategy(DDPStrategy):
         self._train_schedule = train
         self._executor = PipelineExecutor(actions=train[self.stage_index], **common)
         self._eval_executor = PipelineExecutor(actions=evaluation[self.stage_index], **common)
+
+    def set_num_microbatches(self, num_microbatches: int) -> None:
+        """Use ``num_microbatches`` from the next step on (all ranks must call it together).
+
+        Any split gives the same gradient (rows are weighted by their share of the step), so the
+        adapter may change it between any two steps without a restart.
+        """
+        if num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+        if num_microbatches != self.num_microbatches:
+            self.num_microbatches = num_microbatches
+            self._build_executors()
+
+    @property
+    def transfer_records(self) -> list[TransferRecord]:
+        """This rank's transfers of the last training step (peer, bytes, seconds, direction)."""
+        return [] if self._executor is None else list(self._executor.transport.records)
 
     def describe(self) -> str:
         """The partition and schedule, as printed at setup."""

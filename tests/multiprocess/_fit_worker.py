@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _models import TinyNet, make_loader
 
-from lightning_deepcee import DeepCEEStrategy, consolidate_checkpoint
+from lightning_deepcee import DeepCEEStrategy, DynamicEnvironmentAdapter, consolidate_checkpoint
 
 warnings.filterwarnings("ignore")
 
@@ -56,9 +56,32 @@ def _trainer(cfg: dict[str, Any], root: Path, **overrides: Any) -> pl.Trainer:
         # reference reads in order, so only the multi-replica config (whose reference rebuilds
         # the sampler's order) keeps it.
         use_distributed_sampler=cfg.get("num_stages") is not None,
+        callbacks=_callbacks(cfg),
     )
     kwargs.update(overrides)
     return pl.Trainer(**kwargs)
+
+
+class _ChangeMicrobatches(pl.Callback):
+    """Changes the micro-batch count between steps, as the adapter's fast response does."""
+
+    def __init__(self, counts: dict[int, int]) -> None:
+        self.counts = counts
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step in self.counts:
+            trainer.strategy.set_num_microbatches(self.counts[trainer.global_step])
+
+
+def _callbacks(cfg: dict[str, Any]) -> list[pl.Callback]:
+    callbacks: list[pl.Callback] = []
+    if "change_microbatches" in cfg:
+        callbacks.append(_ChangeMicrobatches({int(k): v for k, v in cfg["change_microbatches"]}))
+    if cfg.get("adapter"):
+        callbacks.append(
+            DynamicEnvironmentAdapter(calibration_steps=2, window=2, react_after=1, min_bytes=1)
+        )
+    return callbacks
 
 
 def _save_params(model: torch.nn.Module, path: Path) -> None:

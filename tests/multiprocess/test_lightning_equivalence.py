@@ -147,6 +147,12 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
     configs: list[dict[str, Any]] = [
         # A saved plan with asymmetric data parallelism inside stage 0.
         {"name": "plan", "plan": _asymmetric_plan(tmp_path / "plan.json"), "steps": 3},
+        # The adapter's fast response changes the split between steps: still exact.
+        {"name": "resplit", "schedule": "zb-h1", "num_microbatches": 2, "steps": 4,
+         "change_microbatches": [[1, 4], [2, 3], [3, 2]]},
+        # The adapter itself running (calibrates, watches every link, may decide).
+        {"name": "adapter", "schedule": "1f1b", "num_microbatches": 2, "steps": 6,
+         "adapter": True},
         # DeepCEEStrategy() with no layout argument: profile, search a plan, run it.
         {"name": "auto", "steps": 3},
         {"name": "resume", "schedule": "1f1b", "num_microbatches": 3, "resume": True},
@@ -182,6 +188,8 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
     )
     _assert_equal(_merged(tmp_path / "placed", world), _reference(3))
     _assert_equal(_merged(tmp_path / "plan", world), _reference(3))
+    _assert_equal(_merged(tmp_path / "resplit", world), _reference(4))
+    _assert_equal(_merged(tmp_path / "adapter", world), _reference(6))
     _assert_equal(_merged(tmp_path / "auto", world), _reference(3))
     _assert_equal(_merged(tmp_path / "profiled", world), _reference(3))
     profile = ClusterProfile.from_yaml(tmp_path / "profiled" / "profile.yaml")
