@@ -10,23 +10,67 @@ A checkpoint is a directory::
 
 Stage ``state_dict`` keys are the global parameter names of the unsplit module (other stages'
 blocks are ``nn.Identity`` on each rank), so :func:`consolidate_checkpoint` is a plain union that
-loads into the unsplit module. Every file is written to a temporary name and renamed into place,
-so a crash mid-save never leaves a half-written file under the final name.
+loads into the unsplit module, and :func:`repartition` can rebuild any other stage's part (its
+optimizer state too, through ``optimizer_param_names``) when the cluster changed.
+
+Nothing is lost on a crash: the ranks write into a hidden ``.NAME.partial`` directory (each file
+under a temporary name, fsynced, renamed), and only when every rank has finished does rank 0 swap
+it in place of ``NAME`` (:func:`commit_partial`). An interrupted save leaves the previous
+checkpoint untouched; a crash between the two renames of the swap is recovered at load time from
+``.NAME.old``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["META_FILE", "consolidate_checkpoint", "load_sharded", "save_sharded", "shard_file"]
+__all__ = [
+    "META_FILE",
+    "commit_partial",
+    "consolidate_checkpoint",
+    "load_sharded",
+    "partial_dir",
+    "repartition",
+    "resolve_checkpoint_dir",
+    "save_sharded",
+    "shard_file",
+]
 
 META_FILE = "meta.pt"
-_SHARD_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
+_SHARD_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", "optimizer_param_names")
+
+
+def partial_dir(directory: Path) -> Path:
+    """Where a save in progress writes before :func:`commit_partial` swaps it in."""
+    return directory.with_name(f".{directory.name}.partial")
+
+
+def _old_dir(directory: Path) -> Path:
+    return directory.with_name(f".{directory.name}.old")
+
+
+def commit_partial(directory: Path) -> None:
+    """Replace ``directory`` by its completed partial save (rank 0, after every rank wrote)."""
+    partial, old = partial_dir(directory), _old_dir(directory)
+    if old.exists():
+        shutil.rmtree(old)
+    if directory.exists():
+        os.replace(directory, old)
+    os.replace(partial, directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_checkpoint_dir(directory: Path) -> Path:
+    """``directory``, or the previous checkpoint if a crash hit between the swap's renames."""
+    if not directory.exists() and _old_dir(directory).is_dir():
+        return _old_dir(directory)
+    return directory
 
 
 def shard_file(stage_index: int) -> str:
@@ -74,7 +118,12 @@ def _load(path: Path) -> dict[str, Any]:
 def load_sharded(
     directory: Path, *, stage_index: int, expected_ranges: Sequence[tuple[int, int]]
 ) -> dict[str, Any]:
-    """Read ``meta.pt`` and this stage's shard back into one Lightning checkpoint dict."""
+    """Read ``meta.pt`` and this stage's shard back into one Lightning checkpoint dict.
+
+    When the checkpoint was saved under another partition, every shard is returned under
+    ``"deepcee_shards"`` instead, for :func:`repartition`.
+    """
+    directory = resolve_checkpoint_dir(directory)
     if not directory.is_dir():
         raise ValueError(
             f"{directory} is not a DeepCEE pipeline checkpoint directory (it should contain "
@@ -83,14 +132,67 @@ def load_sharded(
     checkpoint = _load(directory / META_FILE)
     saved = [tuple(r) for r in checkpoint.get("deepcee", {}).get("ranges", [])]
     if saved != [tuple(r) for r in expected_ranges]:
-        raise ValueError(
-            f"Checkpoint {directory} was saved with the block partition {saved}, but this run "
-            f"uses {list(expected_ranges)}. Resume with DeepCEEStrategy(partition={saved}) (and "
-            "as many stages), or consolidate it with `deepcee consolidate` and start from the "
-            "plain weights."
-        )
+        checkpoint["deepcee_shards"] = [
+            _load(directory / shard_file(s)) for s in range(len(saved))
+        ]  # the caller re-partitions them onto this run's layout (see repartition)
+        return checkpoint
     checkpoint.update(_load(directory / shard_file(stage_index)))
     return checkpoint
+
+
+def repartition(
+    shards: Sequence[dict[str, Any]],
+    local_keys: Sequence[str],
+    optimizers_and_names: Sequence[tuple[dict[str, Any], list[str]]],
+) -> dict[str, Any]:
+    """Rebuild one rank's part of a checkpoint saved under another partition.
+
+    Args:
+        shards: every saved stage's shard (``state_dict``, ``optimizer_states``,
+            ``optimizer_param_names``, ``lr_schedulers``).
+        local_keys: this rank's ``state_dict`` keys (global names of its blocks).
+        optimizers_and_names: for each local optimizer, its fresh ``state_dict()`` and the global
+            names of its parameters in optimizer order.
+
+    Returns the ``state_dict``, ``optimizer_states`` and ``lr_schedulers`` entries to load.
+    """
+    weights: dict[str, Any] = {}
+    named_state: dict[str, Any] = {}
+    named_group: dict[str, dict[str, Any]] = {}
+    for shard in shards:
+        weights.update(shard["state_dict"])
+        names_per_opt = shard.get("optimizer_param_names")
+        if names_per_opt is None:
+            raise ValueError(
+                "This checkpoint has no optimizer_param_names (saved by an older version); it "
+                "can only resume on the same partition."
+            )
+        for opt_state, names in zip(shard["optimizer_states"], names_per_opt, strict=True):
+            indices = [i for g in opt_state["param_groups"] for i in g["params"]]
+            group_of = {i: g for g in opt_state["param_groups"] for i in g["params"]}
+            for index, name in zip(indices, names, strict=True):
+                if index in opt_state["state"]:
+                    named_state[name] = opt_state["state"][index]
+                named_group[name] = {k: v for k, v in group_of[index].items() if k != "params"}
+    missing = [k for k in local_keys if k not in weights]
+    if missing:
+        raise ValueError(f"The checkpoint lacks {missing[:5]}: it is not of this model.")
+    optimizer_states = []
+    for fresh, names in optimizers_and_names:
+        indices = [i for g in fresh["param_groups"] for i in g["params"]]
+        by_index = dict(zip(indices, names, strict=True))
+        groups = []
+        for g in fresh["param_groups"]:
+            first = by_index[g["params"][0]] if g["params"] else None
+            saved_group = named_group.get(first, {}) if first is not None else {}
+            groups.append({**g, **saved_group, "params": g["params"]})
+        state = {i: named_state[n] for i, n in by_index.items() if n in named_state}
+        optimizer_states.append({"state": state, "param_groups": groups})
+    return {
+        "state_dict": {k: weights[k] for k in local_keys},
+        "optimizer_states": optimizer_states,
+        "lr_schedulers": shards[0].get("lr_schedulers", []),
+    }
 
 
 def consolidate_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ exact synchronous semantics, the same update a single device computes on the who
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -35,7 +36,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_deepcee.checkpoint import load_sharded, save_sharded
+from lightning_deepcee.checkpoint import (
+    commit_partial,
+    load_sharded,
+    partial_dir,
+    repartition,
+    save_sharded,
+)
 from lightning_deepcee.planner import (
     Plan,
     balanced_partition,
@@ -576,27 +583,62 @@ class DeepCEEStrategy(DDPStrategy):
             "schedule": self.schedule_kind,
             "num_microbatches": self.num_microbatches,
         }
+        target = Path(filepath)
+        partial = partial_dir(target)
+        if self.is_global_zero and partial.exists():
+            shutil.rmtree(partial)  # a save that crashed earlier
+        self.barrier("DeepCEEStrategy.save_checkpoint:clean")
+        checkpoint["optimizer_param_names"] = self._optimizer_param_names()
         save_sharded(
             checkpoint,
-            Path(filepath),
+            partial,
             stage_index=self.stage_index,
             write_shard=self._where()[1] == 0,
             write_meta=self.is_global_zero,
             layout=layout,
         )
+        # Swap the finished save in only once every rank has written its part.
+        self.barrier("DeepCEEStrategy.save_checkpoint:written")
+        if self.is_global_zero:
+            commit_partial(target)
         self.barrier("DeepCEEStrategy.save_checkpoint")
+
+    def _optimizer_param_names(self) -> list[list[str]]:
+        """Global names of each optimizer's parameters in optimizer order (for re-partitioning)."""
+        module = self.lightning_module
+        assert module is not None
+        names = {id(p): n for n, p in module.named_parameters()}
+        return [
+            [names[id(p)] for g in opt.param_groups for p in g["params"]] for opt in self.optimizers
+        ]
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
-        return load_sharded(
+        checkpoint = load_sharded(
             Path(checkpoint_path), stage_index=self.stage_index, expected_ranges=self.ranges
         )
+        shards = checkpoint.pop("deepcee_shards", None)
+        if shards is not None:
+            # The cluster or plan changed: rebuild this rank's part from every saved stage.
+            module = self.lightning_module
+            assert module is not None
+            fresh = [opt.state_dict() for opt in self.optimizers]
+            local = repartition(
+                shards,
+                list(module.state_dict().keys()),
+                list(zip(fresh, self._optimizer_param_names(), strict=True)),
+            )
+            checkpoint.update(local)
+            rank_zero_info(
+                f"DeepCEE: re-partitioned checkpoint {checkpoint_path} from blocks "
+                f"{checkpoint['deepcee']['ranges']} onto {self.ranges}."
+            )
+        checkpoint.pop("optimizer_param_names", None)
+        return checkpoint
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_global_zero:
-            import shutil
-
             shutil.rmtree(filepath, ignore_errors=True)
 
     @classmethod

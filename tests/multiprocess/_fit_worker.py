@@ -108,10 +108,26 @@ def run(cfg: dict[str, Any], out: Path) -> None:
         trainer = _trainer(cfg, target, max_steps=-1, max_epochs=1)
         trainer.fit(model, loader)
         trainer.save_checkpoint(ckpt)
+        if rank == 0:
+            # What a save that crashed half-way leaves behind: it must not disturb the resume.
+            partial = target / ".epoch1.ckpt.partial"
+            partial.mkdir()
+            (partial / "stage_000.pt").write_bytes(b"half a file")
+        trainer.strategy.barrier()
         model = TinyNet(
             num_blocks=cfg.get("num_blocks", 6), optimizer=cfg.get("optimizer", "adamw")
         )
         _trainer(cfg, target, max_steps=-1, max_epochs=2).fit(model, loader, ckpt_path=ckpt)
+        _save_params(model, target / f"rank{rank}.pt")
+        return
+    if "save_epoch_to" in cfg:  # first half of an elastic restart: one epoch, then save
+        trainer = _trainer(cfg, target, max_steps=-1, max_epochs=1)
+        trainer.fit(model, loader)
+        trainer.save_checkpoint(out / cfg["save_epoch_to"])
+        return
+    if "resume_from" in cfg:  # second half, possibly on another number of devices
+        trainer = _trainer(cfg, target, max_steps=-1, max_epochs=2)
+        trainer.fit(model, loader, ckpt_path=out / cfg["resume_from"])
         _save_params(model, target / f"rank{rank}.pt")
         return
     trainer = _trainer(cfg, target)

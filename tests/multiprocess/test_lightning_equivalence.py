@@ -203,3 +203,20 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
     assert "4 pipeline stages" in err and "only 3 blocks" in err
     err = (tmp_path / "smallbatch" / "error.txt").read_text()
     assert "cannot be split into 4 micro-batches" in err
+
+
+def test_elastic_restart_on_fewer_devices(tmp_path: Path) -> None:
+    """Save after one epoch on 4 devices; resume on 3 with another partition and schedule: the
+    checkpoint is re-partitioned (weights and optimizer state) and training continues exactly."""
+    _launch(
+        4,
+        [{"name": "el4", "schedule": "1f1b", "num_microbatches": 3, "save_epoch_to": "el.ckpt"}],
+        tmp_path,
+    )
+    _launch(
+        3,
+        [{"name": "el3", "schedule": "zb-h1", "num_microbatches": 2, "partition": [3, 2, 1],
+          "resume_from": "el.ckpt"}],
+        tmp_path,
+    )  # fmt: skip
+    _assert_equal(_merged(tmp_path / "el3", 3), _reference(6))
