@@ -1,6 +1,8 @@
 """Command-line entry point ``deepcee``.
 
 deepcee consolidate CHECKPOINT_DIR OUT.pt   merge a sharded pipeline checkpoint
+deepcee plan --profile P.yaml --global-batch-size B --out plan.json [--timeline plan.png]
+                                            plan offline from a (measured or hand-written) profile
 """
 
 from __future__ import annotations
@@ -24,6 +26,44 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from lightning_deepcee.planner import plan_search, stage_costs
+    from lightning_deepcee.profiler import ClusterProfile
+    from lightning_deepcee.schedule import generate, lower, simulate
+
+    path = str(args.profile)
+    is_json = path.endswith(".json")
+    profile = ClusterProfile.from_json(path) if is_json else ClusterProfile.from_yaml(path)
+    plan = plan_search(
+        profile,
+        num_blocks=profile.num_blocks,
+        global_batch_size=args.global_batch_size,
+        schedules=tuple(args.schedules.split(",")),
+        beam_width=args.beam_width,
+    )
+    print(plan.format_table())
+    plan.to_json(args.out)
+    print(f"wrote {args.out}")
+    if args.timeline or args.trace:
+        costs = stage_costs(
+            profile, plan.stages, microbatch_size=plan.global_batch_size / plan.num_microbatches
+        )
+        p, m = len(plan.stages), plan.num_microbatches
+        placement = {s: s for s in range(p)}
+        result = simulate(
+            lower(generate(plan.schedule, p, m), placement), placement, costs, num_microbatches=m
+        )
+        if args.trace:
+            result.write_chrome_trace(args.trace)
+            print(f"wrote {args.trace} (open in Perfetto)")
+        if args.timeline:
+            from lightning_deepcee.schedule.timeline import plot_timeline
+
+            plot_timeline(result, args.timeline, title=f"{plan.schedule}, m={m}")
+            print(f"wrote {args.timeline}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deepcee", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,6 +73,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     cons.add_argument("checkpoint", help="checkpoint directory (with meta.pt and stage_NNN.pt)")
     cons.add_argument("output", help="output file for torch.save(state_dict)")
     cons.set_defaults(func=_consolidate)
+    plan = sub.add_parser("plan", help="search a plan offline from a cluster profile")
+    plan.add_argument("--profile", required=True, help="ClusterProfile YAML or JSON")
+    plan.add_argument("--global-batch-size", type=int, required=True)
+    plan.add_argument("--schedules", default="1f1b,zb-h1", help="comma-separated candidates")
+    plan.add_argument("--beam-width", type=int, default=8)
+    plan.add_argument("--out", default="plan.json", help="where to write the plan (JSON)")
+    plan.add_argument("--timeline", help="also write the simulated timeline as a PNG")
+    plan.add_argument("--trace", help="also write the simulated chrome trace (JSON)")
+    plan.set_defaults(func=_plan)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

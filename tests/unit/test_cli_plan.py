@@ -1,0 +1,27 @@
+"""``deepcee plan``: offline planning from a hand-written profile writes a plan and pictures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lightning_deepcee.cli import main
+from lightning_deepcee.planner import Plan
+
+PROFILE = Path(__file__).resolve().parents[2] / "configs" / "profiles" / "example_cee6.yaml"
+
+
+def test_plan_command_writes_plan_timeline_and_trace(tmp_path: Path) -> None:
+    out, png, trace = tmp_path / "plan.json", tmp_path / "t.png", tmp_path / "t.json"
+    argv = ["plan", "--profile", str(PROFILE), "--global-batch-size", "32", "--out", str(out)]
+    assert main([*argv, "--timeline", str(png), "--trace", str(trace)]) == 0
+    plan = Plan.from_json(out)
+    assert sorted(r for st in plan.stages for r in st.ranks) == list(range(6))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_plan_command_reports_bad_profile(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("devices: []\n")
+    assert main(["plan", "--profile", str(bad), "--global-batch-size", "8"]) == 2
