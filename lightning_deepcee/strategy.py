@@ -34,6 +34,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from typing_extensions import override
 
 from lightning_deepcee.checkpoint import (
@@ -509,9 +510,7 @@ class DeepCEEStrategy(DDPStrategy):
         start = time.perf_counter()
         loss = self._run(self._executor, args[0] if args else kwargs["batch"])
         if self._stage_group is not None:
-            for p in params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=self._stage_group)
+            _sum_gradients(params, self._stage_group)
         # Lightning zeroes gradients between training_step and backward: keep them aside.
         self._pending_grads = [p.grad for p in params]
         for p in params:
@@ -707,3 +706,20 @@ def format_cluster(profile: ClusterProfile, groups: DeviceGroups) -> str:
             cells.append("         -" if i == j else f"{bw * 8 / 1e6:>6.0f}/{lat * 1e3:<3.1f}")
         lines.append(f"  {i:>4}  " + "".join(f"{c:>10}" for c in cells))
     return "\n".join(lines)
+
+
+def _sum_gradients(params: Sequence[torch.nn.Parameter], group: Any) -> None:
+    """Sum the stage's gradients over the devices sharing it: one flat all-reduce per dtype.
+
+    A device that held no rows this step has no gradients; it contributes zeros, so every
+    device of the group calls the same collectives.
+    """
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for group_params in by_dtype.values():
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group_params]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        for p, g in zip(group_params, _unflatten_dense_tensors(flat, grads), strict=True):
+            p.grad = g

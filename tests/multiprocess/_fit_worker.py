@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _models import TinyNet, make_loader
 
+import lightning_deepcee
 from lightning_deepcee import DeepCEEStrategy, DynamicEnvironmentAdapter, consolidate_checkpoint
 
 warnings.filterwarnings("ignore")
@@ -95,12 +96,17 @@ def run(cfg: dict[str, Any], out: Path) -> None:
     model = TinyNet(num_blocks=cfg.get("num_blocks", 6), optimizer=cfg.get("optimizer", "adamw"))
     loader = make_loader(cfg.get("batch_size", 10), cfg.get("num_samples", 30))
     if "expect_error" in cfg:
+        real_version = lightning_deepcee.__version__
+        if cfg.get("fake_version_on_rank") == rank:
+            lightning_deepcee.__version__ = "0.0.0+other"
         try:
             _trainer(cfg, target).fit(model, loader)
         except Exception as exc:
             if rank == 0:
                 target.mkdir(parents=True, exist_ok=True)
                 (target / "error.txt").write_text(f"{type(exc).__name__}: {exc}")
+        finally:
+            lightning_deepcee.__version__ = real_version
         return
     if cfg.get("resume"):
         # Train one epoch, save, then resume in a fresh trainer and model for a second epoch.

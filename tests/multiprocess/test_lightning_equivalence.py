@@ -171,6 +171,8 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
          "precision": "bf16-mixed"},
         {"name": "toomany", "schedule": "1f1b", "num_microbatches": 2, "num_blocks": 3,
          "expect_error": True},
+        {"name": "versions", "schedule": "1f1b", "expect_error": True,
+         "fake_version_on_rank": 2},
         {"name": "smallbatch", "schedule": "1f1b", "num_microbatches": 4, "batch_size": 3,
          "num_samples": 6, "expect_error": True},
     ]  # fmt: skip
@@ -201,6 +203,8 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
     )
     err = (tmp_path / "toomany" / "error.txt").read_text()
     assert "4 pipeline stages" in err and "only 3 blocks" in err
+    err = (tmp_path / "versions" / "error.txt").read_text()
+    assert "package versions differ across ranks" in err and "0.0.0+other" in err
     err = (tmp_path / "smallbatch" / "error.txt").read_text()
     assert "cannot be split into 4 micro-batches" in err
 
