@@ -79,16 +79,47 @@ class LabRecord:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+MACHINE_LOCK = Path("/run/deepcee-lab.machine.lock")
+"""Held by whichever lab runs on this machine: bridge, interface and cgroup names are global to
+the machine, so two labs (even with separate state directories) must never overlap."""
+
+
+def _wait_for_machine_lock(path: Path, wait_s: float) -> IO[str]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(path, "a+")  # noqa: SIM115 (held until release())
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return lock
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                lock.close()
+                raise RuntimeError(
+                    f"another deepcee-lab has held {path} for over {wait_s:.0f} s; wait for it "
+                    "to finish or stop it (Ctrl-C) first"
+                ) from None
+            if not told:
+                print(f"deepcee-lab: waiting for the lab already running ({path})", flush=True)
+                told = True
+            time.sleep(1.0)
+
+
 class StateStore:
     """The state file and the lock that says a lab is running."""
 
-    def __init__(self, directory: Path | None = None) -> None:
+    def __init__(self, directory: Path | None = None, *, machine_wait_s: float = 900.0) -> None:
         self.directory = directory or default_state_dir()
         self.path = self.directory / "state.json"
+        self.machine_wait_s = machine_wait_s
         self._lock_file: IO[str] | None = None
+        self._machine_lock: IO[str] | None = None
 
     def acquire(self) -> None:
-        """Take the lab lock, or raise RuntimeError naming the lab that holds it."""
+        """Take the machine-wide lab lock (waiting up to ``machine_wait_s`` for another lab to
+        finish), then this store's lock; raise RuntimeError naming the lab that holds it."""
+        self._machine_lock = _wait_for_machine_lock(MACHINE_LOCK, self.machine_wait_s)
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         lock = open(self.directory / "lock", "a+")  # noqa: SIM115 (held until release())
         try:
@@ -97,6 +128,7 @@ class StateStore:
             lock.seek(0)
             holder = lock.read().strip() or "unknown"
             lock.close()
+            self._release_machine()
             raise RuntimeError(
                 f"another deepcee-lab is running (pid {holder}, lock {self.directory / 'lock'}); "
                 "wait for it to finish or stop it (Ctrl-C) first"
@@ -112,6 +144,13 @@ class StateStore:
             fcntl.flock(self._lock_file, fcntl.LOCK_UN)
             self._lock_file.close()
             self._lock_file = None
+        self._release_machine()
+
+    def _release_machine(self) -> None:
+        if self._machine_lock is not None:
+            fcntl.flock(self._machine_lock, fcntl.LOCK_UN)
+            self._machine_lock.close()
+            self._machine_lock = None
 
     def load(self) -> LabRecord | None:
         try:
