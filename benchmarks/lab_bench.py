@@ -1,0 +1,564 @@
+"""Side-by-side throughput benchmark on the emulated lab (issue 3).
+
+    sudo python benchmarks/lab_bench.py --topology configs/lab/cee6.yaml --model gpt --size tiny \\
+        --runs 3 --steps 12 --warmup 4 --systems deepcee,ddp,pipe-gpipe,pipe-1f1b,pipe-zb
+
+For every system and run it starts the lab (``deepcee-lab run`` as a subprocess, so the lab's own
+setup and teardown apply), runs this same file in ``worker`` mode on every emulated device, and
+parses the ``BENCH {...}`` JSON line that rank 0 prints. Every system trains the same GPT (same
+initial weights), on the same Shakespeare windows, with the same *global* batch per optimizer
+step:
+
+- ``deepcee``: ``DeepCEEStrategy()`` -- profile devices and links at setup, search a plan, run it.
+- ``deepcee-manual``: ``DeepCEEStrategy(schedule="1f1b", num_microbatches=M)``, one stage per
+  device, parameter-balanced partition (planner ablation).
+- ``ddp``: Lightning ``DDPStrategy``, per-device batch = global / N.
+- ``pipe-gpipe`` / ``pipe-1f1b`` / ``pipe-zb``: plain ``torch.distributed.pipelining``
+  (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleavedZeroBubble`` with 2 virtual stages per
+  rank), a uniform split by block count, stages placed in rank order, M micro-batches.
+
+Throughput: rank 0 records a timestamp after every optimizer step; samples/s =
+global batch x K / (time of the last K steps), K = steps - warmup (set-up, profiling, planning,
+shape inference and the first steps are outside the window).
+
+Results: ``<results>/<topology>.json`` (per-run samples/s, step times, config; merged across
+invocations), ``<topology>.md`` (median, min, max, ratio of medians vs ddp) and ``<topology>.png``.
+``--report-only`` rebuilds the table and plot from the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+LIGHTNING_SYSTEMS = ("deepcee", "deepcee-manual", "ddp")
+PIPE_SYSTEMS = ("pipe-gpipe", "pipe-1f1b", "pipe-zb")
+SYSTEMS = LIGHTNING_SYSTEMS + PIPE_SYSTEMS
+
+
+# =============================================================================== worker side
+def _emit(global_batch: int, stamps: list[float], warmup: int, extra: dict[str, Any]) -> None:
+    """Print the BENCH line (rank 0): samples/s over the steps after ``warmup``."""
+    steps = len(stamps)
+    window = stamps[warmup - 1 :] if warmup >= 1 else stamps
+    k = len(window) - 1
+    if k < 1:
+        raise RuntimeError(f"need steps > warmup + 1 (got steps={steps}, warmup={warmup})")
+    elapsed = window[-1] - window[0]
+    step_times = [b - a for a, b in itertools.pairwise(stamps)]
+    record = dict(
+        samples_per_s=global_batch * k / elapsed,
+        window_steps=k,
+        window_s=elapsed,
+        global_batch=global_batch,
+        step_times_s=[round(t, 4) for t in step_times],
+        **extra,
+    )
+    print("BENCH " + json.dumps(record), flush=True)
+
+
+def _gpt_data(args: argparse.Namespace, batch_size: int):
+    from models import gpt_kwargs
+
+    from lightning_deepcee.demo import ShakespeareDataModule
+
+    block = gpt_kwargs(args.size)["block_size"]
+    return ShakespeareDataModule(block_size=block, batch_size=batch_size, max_chars=args.max_chars)
+
+
+def _lightning_worker(args: argparse.Namespace) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import DDPStrategy
+    from models import count_parameters, gpt_kwargs
+
+    from lightning_deepcee import DeepCEEStrategy
+    from lightning_deepcee.demo import GPT
+
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    g = args.global_batch
+    if args.system == "ddp":
+        if g % world:
+            raise SystemExit(f"global batch {g} is not divisible by {world} devices")
+        strategy: Any = DDPStrategy(process_group_backend="gloo")
+        per_loader = g // world
+    elif args.system == "deepcee":
+        # Automatic profile + plan. Only the profiling time budget is raised (default 60 s):
+        # measuring cee6's links on 2 shared cores took longer than that.
+        strategy = DeepCEEStrategy(profile_budget_s=args.profile_budget_s)
+        per_loader = g  # one pipeline replica: every rank reads the whole global batch
+    else:
+        strategy = DeepCEEStrategy(schedule="1f1b", num_microbatches=args.microbatches)
+        per_loader = g
+
+    class BenchTimer(Callback):
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.stamps.append(time.perf_counter())
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            if trainer.is_global_zero:
+                extra: dict[str, Any] = dict(system=args.system, world_size=world)
+                extra["parameters"] = count_parameters(pl_module)
+                if isinstance(trainer.strategy, DeepCEEStrategy):
+                    st = trainer.strategy
+                    extra["num_stages"] = st.num_stages
+                    extra["schedule"] = st.schedule_kind
+                    extra["num_microbatches"] = st.num_microbatches
+                    extra["ranges"] = [list(r) for r in st.ranges]
+                    extra["placement"] = st.placement
+                _emit(g, self.stamps, args.warmup, extra)
+
+    pl.seed_everything(0)
+    model = GPT(**gpt_kwargs(args.size))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=world,
+        strategy=strategy,
+        max_steps=args.steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        precision="32-true",
+        callbacks=[BenchTimer()],
+        default_root_dir=str(REPO / "runs" / "bench"),
+    )
+    trainer.fit(model, datamodule=_gpt_data(args, per_loader))
+    if rank == 0:
+        print(f"[bench] rank 0 done ({args.system})", flush=True)
+
+
+def _pipe_worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from models import count_parameters, gpt_blocks, gpt_kwargs, uniform_split
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleavedZeroBubble,
+    )
+    from torch.nn import functional as F
+
+    from lightning_deepcee.demo import GPT
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(**gpt_kwargs(args.size))  # identical weights on every rank (seeded)
+    n_params = count_parameters(model)
+    blocks = gpt_blocks(model)
+    per_rank = 2 if args.system == "pipe-zb" else 1
+    num_stages = world * per_rank
+    ranges = uniform_split(len(blocks), num_stages)
+    # Rank order: stage s on rank s % world (ZB: rank r holds stages r and r + world).
+    my_stages = [s for s in range(num_stages) if s % world == rank]
+    device = torch.device("cpu")
+    stages = [
+        PipelineStage(nn.Sequential(*blocks[ranges[s][0] : ranges[s][1]]), s, num_stages, device)
+        for s in my_stages
+    ]
+    params = [p for st in stages for p in st.submod.parameters()]
+    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+    m = args.microbatches
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    if args.system == "pipe-gpipe":
+        schedule: Any = ScheduleGPipe(stages[0], m, loss_fn=loss_fn)
+    elif args.system == "pipe-1f1b":
+        schedule = Schedule1F1B(stages[0], m, loss_fn=loss_fn)
+    else:
+        schedule = ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss_fn)
+    first = 0 in my_stages
+    last = (num_stages - 1) in my_stages
+
+    # Same windows in the same order on every rank (seeded shuffle), whole global batch.
+    data = _gpt_data(args, args.global_batch)
+    data.setup("fit")
+    gen = torch.Generator().manual_seed(0)
+    loader = torch.utils.data.DataLoader(
+        data.train_set, batch_size=args.global_batch, shuffle=True, drop_last=True, generator=gen
+    )
+    stamps: list[float] = []
+    it = iter(loader)
+    for _ in range(args.steps):
+        try:
+            x, y = next(it)
+        except StopIteration:
+            it = iter(loader)
+            x, y = next(it)
+        opt.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if last:
+            kwargs = dict(target=y, losses=losses)
+        if first:
+            schedule.step(x, **kwargs)
+        else:
+            schedule.step(**kwargs)
+        opt.step()
+        stamps.append(time.perf_counter())
+    if rank == 0:
+        _emit(
+            args.global_batch,
+            stamps,
+            args.warmup,
+            dict(
+                system=args.system,
+                world_size=world,
+                parameters=n_params,
+                num_stages=num_stages,
+                num_microbatches=m,
+                ranges=[list(r) for r in ranges],
+            ),
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def worker_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="lab_bench.py worker")
+    p.add_argument("--system", required=True, choices=SYSTEMS)
+    p.add_argument("--size", default="tiny")
+    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--warmup", type=int, required=True)
+    p.add_argument("--max-chars", type=int, default=400_000)
+    p.add_argument("--profile-budget-s", type=float, default=300.0)
+    args = p.parse_args(argv)
+    if args.system in LIGHTNING_SYSTEMS:
+        _lightning_worker(args)
+    else:
+        _pipe_worker(args)
+
+
+# =============================================================================== harness side
+def _load(path: Path) -> dict[str, Any]:
+    if path.exists():
+        return json.loads(path.read_text())
+    return {}
+
+
+def _rank0_bench(log: Path) -> dict[str, Any] | None:
+    if not log.exists():
+        return None
+    for line in log.read_text(errors="replace").splitlines():
+        line = line.strip()
+        if line.startswith("BENCH "):
+            return json.loads(line[len("BENCH ") :])
+    return None
+
+
+def _other_lab_shells() -> list[int]:
+    """Pids of Mininet host/switch shells (``bash ... mininet:<node>``) of any running lab.
+
+    The lab's lock lives in its state directory, so a lab started with another
+    ``DEEPCEE_LAB_STATE_DIR`` (the lab tests use a temporary one) is not excluded by it, and both
+    would use the same device names. Read-only check; nothing is stopped.
+    """
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(c.startswith(b"mininet:") for c in cmd):
+            pids.append(int(d.name))
+    return pids
+
+
+def _wait_for_quiet_lab(max_wait_s: float) -> bool:
+    deadline = time.time() + max_wait_s
+    warned = False
+    while True:
+        busy = _other_lab_shells()
+        if not busy:
+            return True
+        if time.time() > deadline:
+            return False
+        if not warned:
+            print(f"[bench] another lab is running (shell pids {busy[:4]}...): waiting", flush=True)
+            warned = True
+        time.sleep(5)
+
+
+def run_one(args: argparse.Namespace, system: str, run: int, out: Path) -> dict[str, Any]:
+    from lightning_deepcee.lab.topology import load_topology
+
+    topo = load_topology(args.topology)
+    worker = [
+        "python",
+        str(Path(__file__).resolve()),
+        "worker",
+        "--system", system,
+        "--size", args.size,
+        "--global-batch", str(args.global_batch),
+        "--microbatches", str(args.microbatches),
+        "--steps", str(args.steps),
+        "--warmup", str(args.warmup),
+        "--max-chars", str(args.max_chars),
+        "--profile-budget-s", str(args.profile_budget_s),
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "lightning_deepcee.lab.cli", "run"]
+    cmd += ["--topology", str(args.topology), "--out", str(out), "--quiet"]
+    cmd += ["--timeout-s", str(args.run_timeout_s), "--master-port", str(args.master_port)]
+    cmd += ["--", *worker]
+    if not _wait_for_quiet_lab(args.wait_other_lab_s):
+        return dict(run=run, returncode=3, error="another lab kept running; not started")
+    if out.exists():  # never parse a BENCH line left by an earlier run
+        for old in out.glob("*.log"):
+            old.unlink()
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    t0 = time.time()
+    print(f"[bench] {system} run {run + 1}/{args.runs}: {' '.join(cmd)}", flush=True)
+    try:
+        # The lab bounds itself with --timeout-s; this outer bound only covers set-up/teardown.
+        proc = subprocess.run(cmd, cwd=REPO, timeout=args.run_timeout_s + 120, text=True,
+                              capture_output=True)  # fmt: skip
+        rc, err = proc.returncode, proc.stderr[-3000:]
+    except subprocess.TimeoutExpired:
+        rc, err = 124, "harness timeout"
+    lab_s = time.time() - t0
+    bench = _rank0_bench(out / f"{topo.devices[0].name}.log")
+    record: dict[str, Any] = dict(run=run, returncode=rc, lab_wall_s=round(lab_s, 1), out=str(out))
+    record["loadavg_before"] = load_before  # the machine is shared: other jobs may compete
+    if bench is not None and rc == 0:
+        record.update(bench)
+        print(f"[bench]   {system}: {bench['samples_per_s']:.2f} samples/s "
+              f"(lab {lab_s:.0f} s)", flush=True)  # fmt: skip
+    else:
+        record["error"] = err.strip().splitlines()[-5:] if err else "no BENCH line"
+        print(f"[bench]   {system} FAILED rc={rc}: {record['error']}", flush=True)
+    return record
+
+
+def _stats(runs: list[dict[str, Any]]) -> dict[str, float] | None:
+    vals = [r["samples_per_s"] for r in runs if "samples_per_s" in r]
+    if not vals:
+        return None
+    return dict(median=statistics.median(vals), min=min(vals), max=max(vals), n=len(vals))
+
+
+def report(result: dict[str, Any], results_dir: Path, name: str) -> str:
+    cfg = result["config"]
+    systems: dict[str, Any] = result["systems"]
+    order = [s for s in SYSTEMS if s in systems] + [s for s in systems if s not in SYSTEMS]
+    base = _stats(systems.get("ddp", {}).get("runs", []))
+    lines = [
+        f"Topology `{name}`, GPT `{cfg['size']}` ({cfg.get('parameters', '?'):,} parameters), "
+        f"global batch {cfg['global_batch']} x {cfg['block_size']} tokens, {cfg['steps']} steps, "
+        f"window = last {cfg['steps'] - cfg['warmup']} steps, pipelining micro-batches "
+        f"{cfg['microbatches']}.",
+        "",
+        "| system | runs ok | samples/s median | min | max | median vs ddp | layout |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in order:
+        runs = systems[s]["runs"]
+        st = _stats(runs)
+        ok = f"{st['n'] if st else 0}/{len(runs)}"
+        layouts = []
+        for r in (r for r in runs if "samples_per_s" in r):
+            if "num_stages" in r:
+                layout = f"{r['num_stages']} stages"
+                if "schedule" in r:
+                    layout += f", {r['schedule']}"
+                layout += f", m={r.get('num_microbatches')}"
+                if "ranges" in r:
+                    layout += ", blocks " + " ".join(f"{a}-{b}" for a, b in r["ranges"])
+                if "placement" in r:
+                    layout += ", ranks " + " ".join(
+                        ",".join(str(x) for x in ranks) for ranks in r["placement"]
+                    )
+            else:
+                n = r.get("world_size", 1)
+                layout = f"{n} replicas x {cfg['global_batch'] // n}"
+            if layout not in layouts:
+                layouts.append(layout)
+        layout = (
+            "differs by run: " + " / ".join(layouts)
+            if len(layouts) > 1
+            else (layouts[0] if layouts else "")
+        )
+        if st is None:
+            lines.append(f"| {s} | {ok} | failed | | | | |")
+            continue
+        ratio = f"{st['median'] / base['median']:.2f}x" if base else "n/a"
+        lines.append(
+            f"| {s} | {ok} | {st['median']:.2f} | {st['min']:.2f} | {st['max']:.2f} | {ratio} "
+            f"| {layout} |"
+        )
+    table = "\n".join(lines) + "\n"
+    (results_dir / f"{name}.md").write_text(table)
+    _plot(result, order, results_dir / f"{name}.png", name)
+    return table
+
+
+def _plot(result: dict[str, Any], order: list[str], path: Path, name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, med, lo, hi, pts = [], [], [], [], []
+    for s in order:
+        st = _stats(result["systems"][s]["runs"])
+        if st is None:
+            continue
+        labels.append(s)
+        med.append(st["median"])
+        lo.append(st["median"] - st["min"])
+        hi.append(st["max"] - st["median"])
+        pts.append(
+            [r["samples_per_s"] for r in result["systems"][s]["runs"] if "samples_per_s" in r]
+        )
+    fig, ax = plt.subplots(figsize=(1.3 * max(3, len(labels)) + 1, 3.6))
+    x = range(len(labels))
+    ax.bar(x, med, yerr=[lo, hi], capsize=4, color="#4c72b0")
+    for i, p in enumerate(pts):
+        ax.scatter([i] * len(p), p, color="k", s=10, zorder=3)
+    ax.set_xticks(list(x), labels, rotation=20)
+    ax.set_ylabel("samples/s (median, min-max)")
+    cfg = result["config"]
+    ax.set_title(f"{name}: GPT {cfg['size']}, global batch {cfg['global_batch']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def harness_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--topology", type=Path, help="lab topology YAML (required, or in --config)")
+    p.add_argument("--model", default="gpt", choices=["gpt"])
+    p.add_argument("--size", default="tiny", help="GPT preset of benchmarks/models.py")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=4, help="steps excluded from the window")
+    p.add_argument("--global-batch", type=int, default=48)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--max-chars", type=int, default=400_000)
+    p.add_argument("--systems", default="deepcee,ddp,pipe-gpipe,pipe-1f1b,pipe-zb")
+    p.add_argument("--results", type=Path, default=HERE / "results")
+    p.add_argument("--logs", type=Path, default=REPO / "runs" / "bench")
+    p.add_argument("--run-timeout-s", type=float, default=400.0)
+    p.add_argument("--master-port", type=int, default=29517)
+    p.add_argument(
+        "--wait-other-lab-s",
+        type=float,
+        default=600.0,
+        help="wait this long for another running lab to finish before each run",
+    )
+    p.add_argument(
+        "--profile-budget-s",
+        type=float,
+        default=300.0,
+        help="DeepCEEStrategy(profile_budget_s=...) for the deepcee system",
+    )
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--fresh", action="store_true", help="discard earlier results of this topology")
+    p.add_argument(
+        "--config", type=Path, help="YAML of defaults for these options (configs/bench/)"
+    )
+    pre, _ = p.parse_known_args(argv)
+    if pre.config is not None:
+        import yaml
+
+        defaults = yaml.safe_load(pre.config.read_text()) or {}
+        known = {a.dest for a in p._actions}
+        unknown = sorted(set(k.replace("-", "_") for k in defaults) - known)
+        if unknown:
+            p.error(f"{pre.config}: unknown keys {unknown}")
+        p.set_defaults(**{k.replace("-", "_"): v for k, v in defaults.items()})
+    args = p.parse_args(argv)
+    if args.topology is None:
+        p.error("--topology is required (on the command line or in --config)")
+    args.topology = Path(args.topology)
+
+    from lightning_deepcee.lab.topology import load_topology
+
+    topo = load_topology(args.topology)
+    name = topo.name
+    args.results.mkdir(parents=True, exist_ok=True)
+    path = args.results / f"{name}.json"
+    result = {} if args.fresh else _load(path)
+    if args.report_only:
+        print(report(result, args.results, name))
+        return 0
+
+    from models import count_parameters, gpt_kwargs
+
+    from lightning_deepcee.demo import GPT
+
+    kw = gpt_kwargs(args.size)
+    config = dict(
+        topology=str(args.topology),
+        model=args.model,
+        size=args.size,
+        gpt=kw,
+        parameters=count_parameters(GPT(**kw)),
+        block_size=kw["block_size"],
+        global_batch=args.global_batch,
+        microbatches=args.microbatches,
+        steps=args.steps,
+        warmup=args.warmup,
+        max_chars=args.max_chars,
+        devices=[dict(name=d.name, region=d.region, cpu=d.cpu) for d in topo.devices],
+        wan=[dict(regions=list(w.regions), mbit=w.mbit) for w in topo.wan],
+    )
+    if (result and result.get("config", {}).get("size") != args.size) or (
+        result and result["config"].get("global_batch") != args.global_batch
+    ):
+        print("[bench] earlier results used another model size/batch: starting fresh")
+        result = {}
+    if not result:
+        result = dict(config=config, systems={})
+    # Keep the config of this invocation's settings (steps/warmup may differ between systems:
+    # each run records its own window).
+    result["config"].update(steps=args.steps, warmup=args.warmup, microbatches=args.microbatches)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for s in systems:
+        if s not in SYSTEMS:
+            p.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    for s in systems:
+        entry = result["systems"].setdefault(s, {"runs": []})
+        entry["runs"] = []
+        for r in range(args.runs):
+            out = args.logs / name / s / f"run{r}"
+            rec = run_one(args, s, r, out)
+            rec.update(steps=args.steps, warmup=args.warmup, command_microbatches=args.microbatches)
+            entry["runs"].append(rec)
+            result["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
+            path.write_text(json.dumps(result, indent=1))
+    print(report(result, args.results, name))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        worker_main(sys.argv[2:])
+    else:
+        sys.exit(harness_main(sys.argv[1:]))
