@@ -122,6 +122,9 @@ def _lightning_worker(args: argparse.Namespace) -> None:
                     extra["num_microbatches"] = st.num_microbatches
                     extra["ranges"] = [list(r) for r in st.ranges]
                     extra["placement"] = st.placement
+                    if st.plan is not None:  # cost-model error: predicted vs measured step
+                        extra["predicted_step_s"] = st.plan.predicted_step_time_s
+                        extra["shares"] = [list(stage.batch_shares) for stage in st.plan.stages]
                 _emit(g, self.stamps, args.warmup, extra)
 
     pl.seed_everything(0)
@@ -377,12 +380,20 @@ def report(result: dict[str, Any], results_dir: Path, name: str) -> str:
         "| system | runs ok | samples/s median | min | max | median vs ddp | layout |",
         "|---|---|---|---|---|---|---|",
     ]
+    errors: list[str] = []
     for s in order:
         runs = systems[s]["runs"]
         st = _stats(runs)
         ok = f"{st['n'] if st else 0}/{len(runs)}"
         layouts = []
         for r in (r for r in runs if "samples_per_s" in r):
+            if "predicted_step_s" in r:
+                measured = cfg["global_batch"] / r["samples_per_s"]
+                predicted = r["predicted_step_s"]
+                errors.append(
+                    f"| {s} | {r.get('run', '?')} | {predicted * 1e3:.0f} | {measured * 1e3:.0f} "
+                    f"| {(predicted - measured) / measured:+.0%} |"
+                )
             if "num_stages" in r:
                 layout = f"{r['num_stages']} stages"
                 if "schedule" in r:
@@ -412,6 +423,15 @@ def report(result: dict[str, Any], results_dir: Path, name: str) -> str:
             f"| {s} | {ok} | {st['median']:.2f} | {st['min']:.2f} | {st['max']:.2f} | {ratio} "
             f"| {layout} |"
         )
+    if errors:
+        lines += [
+            "",
+            "Cost-model error (planned runs): predicted step vs measured mean step of the window.",
+            "",
+            "| system | run | predicted ms | measured ms | error |",
+            "|---|---|---|---|---|",
+            *errors,
+        ]
     table = "\n".join(lines) + "\n"
     (results_dir / f"{name}.md").write_text(table)
     _plot(result, order, results_dir / f"{name}.png", name)

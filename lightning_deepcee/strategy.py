@@ -691,10 +691,13 @@ def _normalise_placement(placement: Sequence[Sequence[int]] | None) -> list[tupl
 def format_cluster(profile: ClusterProfile, groups: DeviceGroups) -> str:
     """The profiling table printed at setup: devices, groups, memory and the bandwidth matrix."""
     lines = ["DeepCEE cluster profile:", groups.format_table(profile)]
-    lines.append("  rank | memory GiB | F+B+W s/step (sum of blocks)")
+    lines.append("  rank | memory GiB | F+B+W ms, all blocks, one micro-batch (fixed part)")
     for d in profile.devices:
-        total = sum(d.forward_s) + sum(d.backward_input_s) + sum(d.backward_weight_s)
-        lines.append(f"  {d.rank:>4} | {d.memory_bytes / 2**30:>10.1f} | {total:.4f}")
+        total, fixed = sum(d.block_seconds) * 1e3, sum(d.fixed_s) * 1e3
+        lines.append(
+            f"  {d.rank:>4} | {d.memory_bytes / 2**30:>10.1f} | {total:.1f} at "
+            f"{d.reference_microbatch_size} samples ({fixed:.1f} fixed)"
+        )
     lines.append("  bandwidth Mbit/s (row sends to column), latency ms:")
     n = profile.num_devices
     lines.append("        " + "".join(f"{j:>10}" for j in range(n)))

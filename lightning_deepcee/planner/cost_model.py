@@ -4,9 +4,12 @@ This module owns the arithmetic that turns a :class:`~lightning_deepcee.profiler
 and a list of :class:`~lightning_deepcee.planner.plan.StagePlan` into per-stage simulator costs
 (:func:`stage_costs`) and a :class:`Prediction` (:func:`predict`). The model, stated once:
 
-- **Compute is linear in the micro-batch size.** Device ``d`` spends
-  ``block_s[d][k] / reference_microbatch_size`` seconds per sample on block ``k`` (separately for
-  F, B and W).
+- **Compute is affine in the micro-batch size.** Device ``d`` spends, on block ``k``, a fixed
+  ``fixed_s[d][k]`` per call (kernel launches, dispatch: what a small micro-batch cannot shrink)
+  plus ``(block_s[d][k] - fixed_s[d][k]) / reference_microbatch_size`` per sample; the fixed part
+  is split over F, B and W in proportion to their times. With ``fixed_s = 0`` (hand-written
+  profiles) this is linear. The fixed part is what makes many tiny micro-batches slow: the planner
+  sees it and picks fewer, larger ones (or no pipeline) where dispatch dominates.
 - **Asymmetric data parallelism.** A stage shared by several devices takes, for each micro-batch,
   the maximum over its devices of ``share_d * microbatch_size * per_sample_s[d]``: devices run
   their rows in parallel and the stage is done when the slowest is. Shares proportional to speed
@@ -156,14 +159,25 @@ class _Arrays:
         self.bandwidth = profile.bandwidth_matrix()
         ref = np.array([d.reference_microbatch_size for d in profile.devices], dtype=np.float64)
 
-        def prefix(name: str) -> Array:
-            per_sample = np.array([getattr(d, name) for d in profile.devices]) / ref[:, None]
-            return np.concatenate([np.zeros((len(ref), 1)), np.cumsum(per_sample, axis=1)], axis=1)
+        total = np.array([d.block_seconds for d in profile.devices], dtype=np.float64)
+        fixed = np.array([d.fixed_s for d in profile.devices], dtype=np.float64)
+        fixed_share = np.divide(fixed, total, out=np.zeros_like(total), where=total > 0)
+        fixed_share = np.clip(fixed_share, 0.0, 1.0)
 
-        self.forward = prefix("forward_s")
-        self.backward_input = prefix("backward_input_s")
-        self.backward_weight = prefix("backward_weight_s")
+        def prefix(values: Array) -> Array:
+            zero = np.zeros((len(ref), 1))
+            return np.concatenate([zero, np.cumsum(values, axis=1)], axis=1)
+
+        def split(name: str) -> tuple[Array, Array]:
+            seconds = np.array([getattr(d, name) for d in profile.devices], dtype=np.float64)
+            per_sample = seconds * (1.0 - fixed_share) / ref[:, None]
+            return prefix(per_sample), prefix(seconds * fixed_share)
+
+        self.forward, self.forward_fixed = split("forward_s")
+        self.backward_input, self.backward_input_fixed = split("backward_input_s")
+        self.backward_weight, self.backward_weight_fixed = split("backward_weight_s")
         self.total = self.forward + self.backward_input + self.backward_weight
+        """Per-sample (slope) prefix sums of F+B+W; the fixed parts are in ``*_fixed``."""
         act = np.array([d.activation_bytes for d in profile.devices], dtype=np.float64).max(axis=0)
         params = np.array([d.parameter_bytes for d in profile.devices], dtype=np.float64).max(0)
         self.activation = act
@@ -410,12 +424,15 @@ def _stage_costs(arrays: _Arrays, stages: Sequence[StagePlan], b: float) -> Stag
         index = np.asarray(stage.ranks)
         share = np.asarray(stage.batch_shares) * b
         start, end = stage.block_range
-        for out, prefix in (
-            (forward, arrays.forward),
-            (backward_input, arrays.backward_input),
-            (backward_weight, arrays.backward_weight),
+        for out, slope, fixed in (
+            (forward, arrays.forward, arrays.forward_fixed),
+            (backward_input, arrays.backward_input, arrays.backward_input_fixed),
+            (backward_weight, arrays.backward_weight, arrays.backward_weight_fixed),
         ):
-            out.append(float((share * (prefix[index, end] - prefix[index, start])).max()))
+            seconds = (fixed[index, end] - fixed[index, start]) + share * (
+                slope[index, end] - slope[index, start]
+            )
+            out.append(float(seconds.max()))
         activation.append(arrays.activation_bytes(stage.block_range) * b)
     send_forward, send_backward = [], []
     for sender, receiver in itertools.pairwise(stages):

@@ -71,7 +71,10 @@ DEFAULT_MAX_STAGES = 16
 _EXACT_PARTITIONS = 64
 """Structures with at most this many block partitions have all of them tried."""
 _REFINED_ORDERS = 2
-"""How many of the beam's final orders get boundary refinement."""
+"""How many of the beam's final orders get boundary refinement and second-level splitting."""
+_REFINE_EVERY_SPLIT = 8
+"""Up to this many stages every trial split is refined before it is compared; beyond, trial
+splits are compared on the balanced partition and only the final structure is refined."""
 
 Structure = tuple[tuple[int, ...], ...]
 """Devices of each stage, in pipeline order."""
@@ -660,11 +663,15 @@ def _search_units(
             finalists.append(scored)
     if not finalists:
         return None
-    # Boundary refinement is the expensive part; it is spent on the few best orders only.
+    # Boundary refinement and second-level splitting are the expensive part; they are spent on
+    # the few best orders only. Each finalist is split before they are compared: an order that
+    # loses unsplit can win once one of its groups is split (and its halves swapped).
     finalists.sort(key=lambda scored: scored.step_time_s)
-    refined = [context.refine(scored, max_iter) for scored in finalists[:_REFINED_ORDERS]]
-    best = min(refined, key=lambda scored: scored.step_time_s)
-    return _split_second_level(context, best, grouping, max_iter)
+    split = [
+        _split_second_level(context, context.refine(scored, max_iter), grouping, max_iter)
+        for scored in finalists[:_REFINED_ORDERS]
+    ]
+    return min(split, key=lambda scored: scored.step_time_s)
 
 
 def _split_second_level(
@@ -690,7 +697,8 @@ def _split_second_level(
                 scored = context.best_over_pairs(structure, ranges)
                 if scored is None:
                     continue
-                scored = context.refine(scored, max_iter)
+                if len(structure) <= _REFINE_EVERY_SPLIT:
+                    scored = context.refine(scored, max_iter)
                 if scored.step_time_s < candidate.step_time_s * (1 - 1e-9):
                     candidate = scored
             if candidate is not best:
@@ -698,6 +706,8 @@ def _split_second_level(
                 break
         if not improved:
             break
+    if len(best.structure) > _REFINE_EVERY_SPLIT:
+        best = context.refine(best, max_iter)
     return best
 
 

@@ -149,7 +149,14 @@ def _check_keys(data: object, cls: type, path: str) -> Mapping[str, Any]:
     where = path or cls.__name__
     if not isinstance(data, Mapping):
         raise ValueError(f"{where}: expected a mapping of {cls.__name__} fields, got {data!r}")
-    names = [field.name for field in dataclasses.fields(cls)]
+    fields = dataclasses.fields(cls)
+    names = [field.name for field in fields]
+    optional = {
+        field.name
+        for field in fields
+        if field.default is not dataclasses.MISSING
+        or field.default_factory is not dataclasses.MISSING
+    }
     for key in data:
         if key not in names:
             raise ValueError(
@@ -157,7 +164,7 @@ def _check_keys(data: object, cls: type, path: str) -> Mapping[str, Any]:
                 f"(expected only: {', '.join(names)})"
             )
     for name in names:
-        if name not in data:
+        if name not in data and name not in optional:
             raise ValueError(f"{_join(path, name)}: missing required field of {cls.__name__}")
     return data
 
@@ -287,6 +294,12 @@ class DeviceProfile:
     """Micro-batch size (samples) at which the ``*_s`` times were measured."""
     capability: float
     """Speed score, higher is faster; see :func:`capability_score`."""
+    fixed_s: tuple[float, ...] = ()
+    """Of each block's F+B+W seconds at ``reference_microbatch_size``, the part that does not
+    shrink with the micro-batch (kernel launches, Python dispatch, per-call allocations): the
+    intercept of an affine fit ``t(n) = fixed + slope * n`` measured at two micro-batch sizes.
+    Empty (the default, e.g. a hand-written profile) means 0 for every block: compute is then
+    linear in the micro-batch size."""
 
     def __post_init__(self) -> None:
         _set(self, "rank", _int("rank", self.rank, minimum=0, expected="a non-negative integer"))
@@ -321,6 +334,19 @@ class DeviceProfile:
             "capability",
             _float("capability", self.capability, expected="a positive finite score", strict=True),
         )
+        fixed = _seq("fixed_s", self.fixed_s, _seconds) or (0.0,) * len(self.forward_s)
+        if len(fixed) != len(self.forward_s):
+            raise ValueError(
+                f"fixed_s: expected {len(self.forward_s)} entries (one per block, like "
+                f"forward_s) or none, got {len(fixed)}"
+            )
+        for index, (value, total) in enumerate(zip(fixed, self.block_seconds, strict=True)):
+            if value > total * (1 + 1e-9):
+                raise ValueError(
+                    f"fixed_s[{index}]: {value!r} s is more than block {index}'s whole F+B+W "
+                    f"time {total!r} s; the fixed part is a share of that time"
+                )
+        _set(self, "fixed_s", fixed)
 
     @property
     def num_blocks(self) -> int:

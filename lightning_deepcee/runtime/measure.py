@@ -47,6 +47,7 @@ import socket
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.utils._pytree import tree_map
 
 from lightning_deepcee.profiler.data import (
     ClusterProfile,
@@ -118,6 +120,15 @@ class BlockTimings:
     """Bytes of each block's parameters."""
     microbatch_size: int
     """Samples in the measured micro-batch (``sample_input.shape[0]``)."""
+    fixed_s: tuple[float, ...] = ()
+    """Per block, the part of its F+B+W seconds that does not shrink with the micro-batch: the
+    intercept of the line through the timings at ``microbatch_size`` and at a quarter of it (two
+    samples at least). Empty when the micro-batch is too small for a second size."""
+    sustained_factor: float = 1.0
+    """Sustained over burst: wall time of back-to-back passes over all blocks divided by the sum
+    of the per-block medians (at least 1). Above 1 when the device cannot keep its burst speed,
+    e.g. a CPU quota (cgroup ``cpu.max``) that throttles after a few milliseconds of work; every
+    ``*_s`` figure above is already multiplied by it."""
 
     @property
     def num_blocks(self) -> int:
@@ -133,6 +144,7 @@ def measure_blocks(
     sample_batch: Any = None,
     repeats: int = 5,
     warmup: int = 2,
+    sustain_s: float = 0.5,
 ) -> BlockTimings:
     """Time forward, ``B`` and ``W`` of each block on one micro-batch, on ``sample_input.device``.
 
@@ -146,6 +158,19 @@ def measure_blocks(
     always block 0 (the data, token ids or features, never needs a gradient; the executor runs
     the first stage's backward whole) and any block fed a non-floating-point tensor.
 
+    Two corrections make the figures predict a training step rather than a micro-benchmark:
+
+    - **Fixed cost.** With two or more samples, every block is timed again on a quarter of the
+      micro-batch (rows sliced from ``sample_input`` and from every tensor of ``sample_batch``
+      with the same leading size); the line through the two points gives each block's
+      ``fixed_s``, the cost a smaller micro-batch cannot shrink. (Two samples at least, for
+      BatchNorm's sake; micro-batches of one or two samples get no ``fixed_s``.)
+    - **Sustained speed.** Medians of millisecond-long calls miss throttling that only bites
+      after a while (a cgroup CPU quota allows a burst, then stalls the process until the next
+      period). Full passes over all blocks run back to back for ``sustain_s`` seconds; if they
+      take longer than the medians add up to, every figure is scaled up by that factor
+      (``sustained_factor``). ``sustain_s=0`` skips this.
+
     Side-effect free: parameters are not updated, each parameter's ``.grad`` is restored (to
     ``None`` if it was unset), buffers (BatchNorm statistics) are restored and the global RNG
     state (dropout) is forked. Modules stay in their current train/eval mode.
@@ -154,29 +179,91 @@ def measure_blocks(
     _check_measure_arguments(blocks, sample_input, loss_fn, sample_batch, repeats, warmup)
     device = sample_input.device
     rng_devices = [device.index or 0] if device.type == "cuda" else []
+    size = len(sample_input)
     with _RestoredState(blocks), torch.random.fork_rng(devices=rng_devices):
         inputs = _block_inputs(blocks, sample_input)
-        forward, backward_input, backward_weight, activation = [], [], [], []
-        for index, block in enumerate(blocks):
-            is_last = index == len(blocks) - 1
-            step_loss = loss_fn if is_last else None
-            times = [
-                _time_block(block, inputs[index], index == 0, step_loss, sample_batch)
-                for _ in range(warmup + repeats)
-            ][warmup:]
-            forward.append(statistics.median(t[0] for t in times))
-            backward_input.append(statistics.median(t[1] for t in times))
-            backward_weight.append(statistics.median(t[2] for t in times))
-            output = inputs[index + 1]
-            activation.append(math.ceil(output.numel() * output.element_size() / len(sample_input)))
+        medians = _block_medians(blocks, inputs, loss_fn, sample_batch, repeats, warmup)
+        fixed: list[float] = []
+        small = max(2, size // 4)
+        small_medians = None
+        if small < size:
+            small_batch = _slice_rows(sample_batch, size, small)
+            small_inputs = [value[:small] for value in inputs]
+            try:
+                small_medians = _block_medians(
+                    blocks, small_inputs, loss_fn, small_batch, repeats, warmup
+                )
+            except (RuntimeError, ValueError) as exc:  # a model that only takes its batch size
+                warnings.warn(
+                    f"measure_blocks: the blocks failed on a {small}-sample slice of the "
+                    f"micro-batch ({exc}); fixed per-call costs are not measured (taken as 0)",
+                    stacklevel=2,
+                )
+        if small_medians is not None:
+            for big_fbw, small_fbw in zip(medians, small_medians, strict=True):
+                big_t, small_t = sum(big_fbw), sum(small_fbw)
+                slope = max(0.0, (big_t - small_t) / (size - small))
+                fixed.append(min(big_t, max(0.0, big_t - slope * size)))
+        factor = 1.0
+        burst = sum(sum(fbw) for fbw in medians)
+        if sustain_s > 0 and burst > 0:
+            passes, start = 0, time.perf_counter()
+            while passes < 2 or time.perf_counter() - start < sustain_s:
+                for index, block in enumerate(blocks):
+                    step_loss = loss_fn if index == len(blocks) - 1 else None
+                    _time_block(block, inputs[index], index == 0, step_loss, sample_batch)
+                passes += 1
+            factor = max(1.0, (time.perf_counter() - start) / passes / burst)
+        activation = [
+            math.ceil(output.numel() * output.element_size() / size) for output in inputs[1:]
+        ]
     return BlockTimings(
-        forward_s=tuple(forward),
-        backward_input_s=tuple(backward_input),
-        backward_weight_s=tuple(backward_weight),
+        forward_s=tuple(f * factor for f, _, _ in medians),
+        backward_input_s=tuple(b * factor for _, b, _ in medians),
+        backward_weight_s=tuple(w * factor for _, _, w in medians),
         activation_bytes=tuple(activation),
         parameter_bytes=tuple(_parameter_bytes(block) for block in blocks),
-        microbatch_size=len(sample_input),
+        microbatch_size=size,
+        fixed_s=tuple(value * factor for value in fixed),
+        sustained_factor=factor,
     )
+
+
+def _block_medians(
+    blocks: Sequence[nn.Module],
+    inputs: Sequence[torch.Tensor],
+    loss_fn: LossFn | None,
+    sample_batch: Any,
+    repeats: int,
+    warmup: int,
+) -> list[tuple[float, float, float]]:
+    """Median (F, B, W) seconds of each block on its input in ``inputs``."""
+    medians = []
+    for index, block in enumerate(blocks):
+        step_loss = loss_fn if index == len(blocks) - 1 else None
+        times = [
+            _time_block(block, inputs[index], index == 0, step_loss, sample_batch)
+            for _ in range(warmup + repeats)
+        ][warmup:]
+        medians.append(
+            (
+                statistics.median(t[0] for t in times),
+                statistics.median(t[1] for t in times),
+                statistics.median(t[2] for t in times),
+            )
+        )
+    return medians
+
+
+def _slice_rows(batch: Any, size: int, rows: int) -> Any:
+    """``batch`` with every tensor whose leading dimension is ``size`` cut to its first ``rows``."""
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and len(value) == size:
+            return value[:rows]
+        return value
+
+    return tree_map(cut, batch)
 
 
 def _check_measure_arguments(
@@ -766,6 +853,7 @@ def _device_profile(rank: int, host: str, record: dict[str, Any]) -> DeviceProfi
         activation_bytes=timings.activation_bytes,
         parameter_bytes=timings.parameter_bytes,
         reference_microbatch_size=timings.microbatch_size,
+        fixed_s=timings.fixed_s,
         capability=capability_score(
             timings.forward_s, timings.backward_input_s, timings.backward_weight_s
         ),

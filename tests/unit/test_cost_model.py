@@ -32,6 +32,7 @@ def make_profile(
     parameter_bytes: int = 0,
     memory_bytes: int = 10**12,
     reference_microbatch_size: int = 1,
+    fixed_fraction: float = 0.0,
 ) -> ClusterProfile:
     """Identical blocks; device ``d`` takes ``block_s / speeds[d]`` for each of F, B and W."""
     n = len(speeds)
@@ -53,6 +54,7 @@ def make_profile(
             parameter_bytes=(parameter_bytes,) * num_blocks,
             reference_microbatch_size=reference_microbatch_size,
             capability=speeds[r],
+            fixed_s=(3 * fixed_fraction * block_s / speeds[r],) * num_blocks,
         )
         for r in range(n)
     )
@@ -98,6 +100,29 @@ def test_microbatch_size_scales_compute_linearly() -> None:
     costs = stage_costs(profile, _pipeline(2, 1), microbatch_size=8)
     assert costs.forward_s == (2.0, 2.0)
     assert costs.activation_bytes == (8000.0, 8000.0)
+
+
+def test_fixed_cost_is_paid_once_per_microbatch() -> None:
+    # Half of each block's time at the reference size (4 samples) is fixed: t(n) = 0.5 + n / 8.
+    profile = make_profile(
+        speeds=[1.0, 1.0], num_blocks=2, reference_microbatch_size=4, fixed_fraction=0.5
+    )
+    at_reference = stage_costs(profile, _pipeline(2, 1), microbatch_size=4)
+    assert at_reference.forward_s == pytest.approx((1.0, 1.0))
+    doubled = stage_costs(profile, _pipeline(2, 1), microbatch_size=8)
+    assert doubled.forward_s == pytest.approx((1.5, 1.5))
+    one = stage_costs(profile, _pipeline(2, 1), microbatch_size=1)
+    assert one.backward_weight_s == pytest.approx((0.625, 0.625))
+    # The same 16 samples in 16 micro-batches pay the fixed part 16 times: with it, a single
+    # micro-batch on one device beats the 2-stage pipeline; without it, the pipeline wins.
+    single = [StagePlan(block_range=(0, 2), ranks=(0,), batch_shares=(1.0,))]
+    linear = make_profile(speeds=[1.0, 1.0], num_blocks=2, reference_microbatch_size=4)
+    assert predict(linear, _pipeline(2, 1), "zb-h1", 16, 16).step_time_s < (
+        predict(linear, single, "zb-h1", 1, 16).step_time_s
+    )
+    assert predict(profile, _pipeline(2, 1), "zb-h1", 16, 16).step_time_s > (
+        predict(profile, single, "zb-h1", 1, 16).step_time_s
+    )
 
 
 def test_shares_proportional_to_speed_balance_a_stage() -> None:

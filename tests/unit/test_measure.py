@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -59,6 +60,43 @@ def test_mlp_times_bytes_and_no_side_effects() -> None:
     assert t.parameter_bytes == ((8 * 32 + 32) * 4, (32 * 64 + 64 + 2 * 64) * 4, (64 * 5 + 5) * 4)
     _assert_untouched(blocks, before)
     assert torch.equal(torch.random.get_rng_state(), rng_before)
+
+
+class _Sleepy(nn.Module):
+    """A linear layer whose forward also sleeps: a fixed per-call cost the batch cannot shrink.
+
+    Every ``stall_every``-th forward sleeps ``stall_s`` more, like a CPU quota that throttles a
+    process once it has run for a while: medians of single calls miss it, sustained runs do not.
+    """
+
+    def __init__(self, sleep_s: float, stall_every: int = 0, stall_s: float = 0.0) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.sleep_s, self.stall_every, self.stall_s = sleep_s, stall_every, stall_s
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        time.sleep(self.sleep_s)
+        if self.stall_every and self.calls % self.stall_every == 0:
+            time.sleep(self.stall_s)
+        return self.linear(x)
+
+
+def test_fixed_cost_and_sustained_factor() -> None:
+    blocks: list[nn.Module] = [_Sleepy(0.004), _Sleepy(0.0)]
+    t = measure_blocks(blocks, torch.randn(16, 8), repeats=5, warmup=1, sustain_s=0.0)
+    assert len(t.fixed_s) == 2 and t.sustained_factor == 1.0
+    # The 4 ms sleep is fixed: block 0's intercept holds it; block 1 has almost no fixed cost.
+    assert 0.003 < t.fixed_s[0] <= t.forward_s[0] + t.backward_weight_s[0]
+    assert t.fixed_s[1] < 0.003
+    stalled: list[nn.Module] = [_Sleepy(0.001, stall_every=3, stall_s=0.01)]
+    s = measure_blocks(stalled, torch.randn(16, 8), repeats=5, warmup=1, sustain_s=0.2)
+    # Bursts take ~1 ms; one call in three stalls 10 ms more, so passes average >= 4 ms.
+    assert s.sustained_factor > 2.0
+    assert s.forward_s[0] > 0.003
+    # Too small for a second size: no fixed part is measured.
+    assert measure_blocks(_mlp(), torch.randn(2, 8), repeats=1, warmup=0).fixed_s == ()
 
 
 class _Embed(nn.Module):

@@ -230,6 +230,9 @@ _MISSING = object()
         (("devices",), [], "devices: expected at least one device"),
         (("devices", 1), "not a device", "devices[1]: expected a mapping of DeviceProfile fields"),
         (("num_blocks",), 0, "num_blocks: expected a positive number of blocks, got 0"),
+        (("devices", 0, "fixed_s"), [0.01], "devices[0].fixed_s: expected 3 entries"),
+        (("devices", 0, "fixed_s"), [0.01, 1.0, 0.0], "devices[0].fixed_s[1]: 1.0 s is more"),
+        (("devices", 0, "fixed_s"), [0.0, -0.01, 0.0], "devices[0].fixed_s[1]: expected a non-"),
         (("model_fingerprint",), 123, "model_fingerprint: expected a non-empty string, got 123"),
     ],
 )
@@ -288,6 +291,12 @@ def test_direct_construction_validates_too() -> None:
 def test_device_from_dict_round_trip_and_derived_values() -> None:
     device = _device(1)
     assert DeviceProfile.from_dict(device.to_dict()) == device
+    # fixed_s is optional (profiles written before it existed, hand-written ones): zeros.
+    data = device.to_dict()
+    del data["fixed_s"]
+    assert DeviceProfile.from_dict(data).fixed_s == (0.0, 0.0, 0.0)
+    data["fixed_s"] = [0.01, 0.0, 0.035]
+    assert DeviceProfile.from_dict(data).fixed_s == (0.01, 0.0, 0.035)
     assert device.num_blocks == 3
     assert device.block_seconds == pytest.approx((0.035, 0.035, 0.035))
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lightning_deepcee.planner.plan import Plan
@@ -197,6 +197,7 @@ def _exhaustive(
     num_devices=st.integers(2, 4),
     num_blocks=st.integers(4, 6),
 )
+@example(seed=90, num_devices=4, num_blocks=4)  # the best order only wins once split
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_within_five_percent_of_exhaustive(seed: int, num_devices: int, num_blocks: int) -> None:
     profile = random_profile(seed, num_devices, num_blocks)
