@@ -7,11 +7,13 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_deepcee.callbacks import DynamicEnvironmentAdapter, PipelineThroughputMonitor
 from lightning_deepcee.checkpoint import consolidate_checkpoint
+from lightning_deepcee.runtime.liveness import DeviceLostError
 from lightning_deepcee.runtime.stage import PipelineSpec
 from lightning_deepcee.strategy import DeepCEEStrategy
 
 __all__ = [
     "DeepCEEStrategy",
+    "DeviceLostError",
     "DynamicEnvironmentAdapter",
     "PipelineSpec",
     "PipelineThroughputMonitor",

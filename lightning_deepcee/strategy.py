@@ -16,7 +16,10 @@ exact synchronous semantics, the same update a single device computes on the who
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import socket
+import sys
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -65,15 +68,27 @@ from lightning_deepcee.runtime import (
     split_sizes,
 )
 from lightning_deepcee.runtime.executor import StepStats
+from lightning_deepcee.runtime.liveness import (
+    DeviceLostError,
+    Heartbeat,
+    default_store,
+    find_lost_ranks,
+    lost_message,
+)
 from lightning_deepcee.runtime.measure import model_fingerprint, profile_cluster, profile_or_load
 from lightning_deepcee.runtime.routing import Router, StageLayout
-from lightning_deepcee.runtime.transport import TransferRecord
+from lightning_deepcee.runtime.transport import PeerLostError, TransferRecord
 from lightning_deepcee.schedule import SCHEDULE_KINDS, generate, lower, render, validate
 from lightning_deepcee.schedule.generators import forward_only
 
 __all__ = ["DeepCEEStrategy"]
 
 log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+"""Seconds between a rank's liveness beats in the rendezvous store."""
+LIVENESS_WAIT_S = 3.0
+"""After a failed step, how long a rank watches the heartbeats to name the lost device."""
 
 
 class DeepCEEStrategy(DDPStrategy):
@@ -108,8 +123,9 @@ class DeepCEEStrategy(DDPStrategy):
         profile_budget_s: the network measurement fails with an error naming the pair it was
             measuring when it takes longer than this.
         timeout_s: seconds a collective or transfer may block before the process group fails;
-            a dead device or link therefore stops every rank within about this long, with an
-            error naming the lost rank and its stage (Lightning's default is 30 minutes).
+            a dead device or link therefore stops every rank within about this long (plus a
+            3 s look at the heartbeats), with a ``DeviceLostError`` naming the lost rank, its
+            stage and host (Lightning's default timeout is 30 minutes).
         verbose: print the partition and schedule on rank 0 at setup.
     """
 
@@ -198,6 +214,8 @@ class DeepCEEStrategy(DDPStrategy):
         self.last_step_stats: StepStats | None = None
         self.last_step_samples = 0
         self.last_step_tokens: int | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._hosts: list[str] = []
 
     # ----------------------------------------------------------------------------- layout
     @property
@@ -269,17 +287,26 @@ class DeepCEEStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._check_versions()
+        store = default_store()
+        if store is not None and self.world_size > 1:
+            self._heartbeat = Heartbeat(store, self.global_rank, interval_s=HEARTBEAT_S).start()
 
     def _check_versions(self) -> None:
-        """Every rank must run the same versions: a mismatch fails early, naming the ranks."""
+        """Every rank must run the same versions: a mismatch fails early, naming the ranks.
+
+        The same exchange collects every rank's host name, for errors that name a lost device.
+        """
         import lightning
 
         from lightning_deepcee import __version__
 
         mine = {"lightning_deepcee": __version__, "torch": torch.__version__}
         mine["lightning"] = lightning.__version__
-        gathered: list[dict[str, str] | None] = [None] * self.world_size
-        dist.all_gather_object(gathered, mine)
+        gathered_all: list[tuple[dict[str, str], str] | None] = [None] * self.world_size
+        host = os.environ.get("DEEPCEE_LAB_DEVICE") or socket.gethostname()  # lab: device name
+        dist.all_gather_object(gathered_all, (mine, host))
+        gathered = [entry[0] for entry in gathered_all if entry is not None]
+        self._hosts = [entry[1] for entry in gathered_all if entry is not None]
         differing = {r: v for r, v in enumerate(gathered) if v != gathered[0]}
         if differing:
             raise RuntimeError(
@@ -508,9 +535,14 @@ class DeepCEEStrategy(DDPStrategy):
         for p in params:
             p.grad = None
         start = time.perf_counter()
-        loss = self._run(self._executor, args[0] if args else kwargs["batch"])
-        if self._stage_group is not None:
-            _sum_gradients(params, self._stage_group)
+        try:
+            loss = self._run(self._executor, args[0] if args else kwargs["batch"])
+            if self._stage_group is not None:
+                _sum_gradients(params, self._stage_group)
+        except RuntimeError as exc:
+            if not _is_communication_failure(exc):
+                raise
+            raise self._lost_device_error(exc) from exc
         # Lightning zeroes gradients between training_step and backward: keep them aside.
         self._pending_grads = [p.grad for p in params]
         for p in params:
@@ -519,6 +551,32 @@ class DeepCEEStrategy(DDPStrategy):
         self.last_step_stats.wall_s = time.perf_counter() - start
         module.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True)
         return loss
+
+    def _describe_rank(self, rank: int) -> str:
+        stages = [s for s, ranks in enumerate(self.placement) if rank in ranks]
+        where = f"stage {stages[0]}" if stages else "no stage"
+        host = self._hosts[rank] if rank < len(self._hosts) else "?"
+        return f"rank {rank} ({where}, host {host})"
+
+    def _lost_device_error(self, cause: RuntimeError) -> DeviceLostError:
+        """Name the lost device from the heartbeats (blocks ``LIVENESS_WAIT_S``) and say so."""
+        store = default_store()
+        if self._heartbeat is None or store is None:
+            lost: list[int] | None = []
+        else:
+            lost = find_lost_ranks(store, self.global_rank, self.world_size, wait_s=LIVENESS_WAIT_S)
+        message = "DeepCEEStrategy: " + lost_message(
+            lost, describe=self._describe_rank, cause=cause, wait_s=LIVENESS_WAIT_S
+        )
+        _print_everywhere(f"[rank {self.global_rank}] {message}")
+        return DeviceLostError(message, lost if lost is not None else [0])
+
+    @override
+    def teardown(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        super().teardown()
 
     @override
     def backward(
@@ -709,6 +767,26 @@ def format_cluster(profile: ClusterProfile, groups: DeviceGroups) -> str:
             cells.append("         -" if i == j else f"{bw * 8 / 1e6:>6.0f}/{lat * 1e3:<3.1f}")
         lines.append(f"  {i:>4}  " + "".join(f"{c:>10}" for c in cells))
     return "\n".join(lines)
+
+
+def _is_communication_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a failed transfer or collective, not a model bug."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (PeerLostError, dist.DistError)):
+            return True
+        text = str(current).lower()
+        if any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout")):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _print_everywhere(message: str) -> None:
+    """Print on every rank (a lost-device error is news on each of them), to stderr."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def _sum_gradients(params: Sequence[torch.nn.Parameter], group: Any) -> None:

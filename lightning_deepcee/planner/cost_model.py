@@ -11,9 +11,10 @@ and a list of :class:`~lightning_deepcee.planner.plan.StagePlan` into per-stage 
   profiles) this is linear. The fixed part is what makes many tiny micro-batches slow: the planner
   sees it and picks fewer, larger ones (or no pipeline) where dispatch dominates.
 - **Asymmetric data parallelism.** A stage shared by several devices takes, for each micro-batch,
-  the maximum over its devices of ``share_d * microbatch_size * per_sample_s[d]``: devices run
-  their rows in parallel and the stage is done when the slowest is. Shares proportional to speed
-  make every device finish together (see :func:`speed_shares`).
+  the maximum over its devices of ``fixed_d + share_d * microbatch_size * per_sample_s[d]``:
+  devices run their rows in parallel and the stage is done when the slowest is. Shares
+  proportional to speed (whole F+B+W time per sample at the measured size) make every device
+  finish together (see :func:`speed_shares`).
 - **Activation transfers.** Between consecutive stages a micro-batch's boundary activation
   (``activation_bytes`` of the sending stage's last block, per sample, times the micro-batch
   size) moves once forward and its gradient once backward. Rows are laid out by shares on both
@@ -176,8 +177,11 @@ class _Arrays:
         self.forward, self.forward_fixed = split("forward_s")
         self.backward_input, self.backward_input_fixed = split("backward_input_s")
         self.backward_weight, self.backward_weight_fixed = split("backward_weight_s")
-        self.total = self.forward + self.backward_input + self.backward_weight
-        """Per-sample (slope) prefix sums of F+B+W; the fixed parts are in ``*_fixed``."""
+        self.total = prefix(total / ref[:, None])
+        """Prefix sums of F+B+W per sample *at the reference size* (fixed part included): the
+        speed that batch shares and the compute-balanced partition use. The affine split of one
+        profile into slope and intercept is noisy (two short measurements); the whole time at the
+        measured size is not."""
         act = np.array([d.activation_bytes for d in profile.devices], dtype=np.float64).max(axis=0)
         params = np.array([d.parameter_bytes for d in profile.devices], dtype=np.float64).max(0)
         self.activation = act

@@ -1,6 +1,7 @@
 """Runtime: stage construction, point-to-point transport and the schedule executor."""
 
 from lightning_deepcee.runtime.executor import PipelineExecutionError, PipelineExecutor, StepStats
+from lightning_deepcee.runtime.liveness import DeviceLostError
 from lightning_deepcee.runtime.measure import (
     BlockTimings,
     NetworkMeasurement,
@@ -26,6 +27,7 @@ from lightning_deepcee.runtime.transport import P2PTransport, TransferRecord
 
 __all__ = [
     "BlockTimings",
+    "DeviceLostError",
     "NetworkMeasurement",
     "P2PTransport",
     "Piece",

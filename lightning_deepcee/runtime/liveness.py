@@ -1,0 +1,134 @@
+"""Liveness: tell which device was lost when a step fails.
+
+A failed transfer or collective says little about *who* is gone: gloo reports "connection closed
+by peer" for the dead device and equally for a healthy device that has just exited because of
+its own error, and a timeout names nobody. So every rank runs a :class:`Heartbeat`, a daemon
+thread that increments a counter of its own in the rendezvous store (the ``TCPStore`` every
+``torch.distributed`` job already has) every ``interval_s``. When a step fails,
+:func:`find_lost_ranks` marks this rank as exiting, reads every counter twice, ``wait_s`` apart,
+and names the ranks whose counter stood still and that did not mark themselves: those stopped
+without a word. Healthy ranks that exit because of the failure mark themselves first, so they are
+never blamed. If the store itself is unreachable, the process that hosts it (rank 0's launcher) is
+the one lost.
+
+Keys carry ``TORCHELASTIC_RESTART_COUNT`` so a restart under ``torchrun --max-restarts`` (whose
+agent keeps the store) never reads the counters of the previous attempt.
+
+Runtime layer: torch.distributed, never lightning.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["DeviceLostError", "Heartbeat", "default_store", "find_lost_ranks", "lost_message"]
+
+
+class DeviceLostError(RuntimeError):
+    """A device (or its link) was lost during a step; ``lost_ranks`` names it when known."""
+
+    def __init__(self, message: str, lost_ranks: Sequence[int] | None) -> None:
+        super().__init__(message)
+        self.lost_ranks = None if lost_ranks is None else tuple(lost_ranks)
+
+
+def _prefix() -> str:
+    return f"deepcee/liveness/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def default_store() -> Any | None:
+    """The default process group's store, or None when there is none (single process)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except (RuntimeError, ValueError, ImportError):
+        return None
+
+
+class Heartbeat:
+    """A daemon thread that increments ``<prefix>/beat/<rank>`` in ``store`` every ``interval_s``.
+
+    Errors (a store that went away) stop the thread quietly: the failure shows in the step, and
+    :func:`find_lost_ranks` reports it there.
+    """
+
+    def __init__(self, store: Any, rank: int, *, interval_s: float = 1.0) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s: expected a positive number of seconds, got {interval_s}")
+        self.store, self.rank, self.interval_s = store, rank, interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Heartbeat:
+        """Beat once now (so every live rank has a key), then every ``interval_s`` in a thread."""
+        self.store.add(f"{_prefix()}/beat/{self.rank}", 1)
+        self._thread = threading.Thread(
+            target=self._run, name=f"deepcee-heartbeat-{self.rank}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        key = f"{_prefix()}/beat/{self.rank}"
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.store.add(key, 1)
+            except Exception:  # the store is gone: the step will fail and say so
+                return
+
+    def stop(self) -> None:
+        """Stop beating (idempotent); waits at most one interval for the thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 1.0)
+            self._thread = None
+
+
+def _beats(store: Any, world_size: int) -> list[int]:
+    # add(key, 0) reads a counter without a wait, and creates it (at 0) if a rank never beat.
+    return [int(store.add(f"{_prefix()}/beat/{r}", 0)) for r in range(world_size)]
+
+
+def find_lost_ranks(store: Any, rank: int, world_size: int, *, wait_s: float) -> list[int] | None:
+    """Ranks whose heartbeat stopped without an exit mark; None when the store is unreachable.
+
+    Marks ``rank`` as exiting first. Blocks for ``wait_s`` (give it at least two heartbeat
+    intervals, so every live rank beats at least once in between).
+    """
+    try:
+        store.set(f"{_prefix()}/exit/{rank}", "1")
+        before = _beats(store, world_size)
+        time.sleep(wait_s)
+        after = _beats(store, world_size)
+        exited = [store.check([f"{_prefix()}/exit/{r}"]) for r in range(world_size)]
+    except Exception:
+        return None
+    return [r for r in range(world_size) if r != rank and after[r] == before[r] and not exited[r]]
+
+
+def lost_message(
+    lost: Sequence[int] | None, *, describe: Any, cause: BaseException, wait_s: float
+) -> str:
+    """The error text: who was lost (``describe(rank)`` gives "rank 2 (stage 1, host edge0)")."""
+    if lost is None:
+        who = (
+            "the rendezvous store is unreachable, so the device that hosts it is lost: "
+            f"{describe(0)} (or its launcher)"
+        )
+    elif lost:
+        who = "lost " + ", ".join(describe(r) for r in lost) + ": its heartbeat stopped"
+    else:
+        who = (
+            f"no device's heartbeat stopped within {wait_s:.1f} s: a link is down or a peer is "
+            "too slow for the timeout"
+        )
+    return f"{who}. The step failed with {type(cause).__name__}: {cause}"
