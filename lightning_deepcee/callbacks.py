@@ -18,6 +18,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_deepcee.runtime.transport import TransferRecord
+
 __all__ = ["DynamicEnvironmentAdapter", "PipelineThroughputMonitor"]
 
 
@@ -95,10 +97,14 @@ class DynamicEnvironmentAdapter(Callback):
     """Follows the links at run time: finer micro-batches when a link slows, re-plan when it stays.
 
     A thin shim over :class:`~lightning_deepcee.adapter.LinkMonitor` (pure, see docs/adapter.md).
-    Each step every rank turns its *received* transfers (bytes and seconds blocked) into link
-    observations. The first ``calibration_steps`` steps set what each link normally delivers
-    under this schedule (receive times include waiting for the sender, so a profile's raw
-    bandwidth would not be comparable); then the monitor compares each window median with it.
+    Each step every rank turns its *received* transfers (bytes and seconds on the wire, from a
+    transfer's header to its payload) into link observations. The first ``calibration_steps``
+    steps set what each link normally delivers under this schedule; then the monitor compares
+    each window median with it.
+
+    A ``split`` only applies to a link that matters: if at the degraded bandwidth its transfers
+    of the step take less than ``min_link_share`` of the step's wall time (a LAN link whose
+    measured speed wobbles under CPU contention), the decision is logged as ignored.
 
     Decisions are gathered on every rank so all ranks act on the same step:
 
@@ -122,6 +128,7 @@ class DynamicEnvironmentAdapter(Callback):
         min_bytes: int = 65536,
         max_split: int = 4,
         calibration_steps: int = 10,
+        min_link_share: float = 0.1,
     ) -> None:
         from lightning_deepcee.adapter import MonitorConfig
 
@@ -136,6 +143,9 @@ class DynamicEnvironmentAdapter(Callback):
         )
         if calibration_steps < 1:
             raise ValueError(f"calibration_steps must be >= 1, got {calibration_steps}")
+        if not 0 <= min_link_share < 1:
+            raise ValueError(f"min_link_share must be in [0, 1), got {min_link_share}")
+        self.min_link_share = min_link_share
         self.calibration_steps = calibration_steps
         self.monitor: Any = None
         self._calibration: dict[str, list[float]] = {}
@@ -163,7 +173,14 @@ class DynamicEnvironmentAdapter(Callback):
 
         strategy = _deepcee(trainer)
         step = trainer.global_step
-        received = [r for r in strategy.transfer_records if r.direction == "recv"]
+        # A receive's blocked time includes waiting for the sender's compute, which a split
+        # shortens: judging links by it makes the adapter's own splits look like recoveries.
+        # The payload's time on the wire (after its header arrived) is what the link delivers.
+        received = [
+            TransferRecord(r.peer, r.num_bytes, r.wire_s, r.direction)
+            for r in strategy.transfer_records
+            if r.direction == "recv" and r.wire_s is not None
+        ]
         observations = [
             o
             for o in observations_from_transfers(step, strategy.global_rank, received)
@@ -178,7 +195,24 @@ class DynamicEnvironmentAdapter(Callback):
             expected = _median_per_link(strategy, self._calibration)
             self.monitor = LinkMonitor(expected, None, self.config)
             return
-        mine = [d.to_dict() for d in self.monitor.observe(step, observations)]
+        step_bytes: dict[tuple[int, int], int] = {}
+        for o in observations:
+            step_bytes[(o.src, o.dst)] = step_bytes.get((o.src, o.dst), 0) + o.num_bytes
+        stats = strategy.last_step_stats
+        step_s = float(stats.wall_s) if stats is not None and stats.wall_s else 0.0
+        mine = []
+        for d in self.monitor.observe(step, observations):
+            # Carry the deciding rank's figures, so every rank judges the decision alike.
+            entry = d.to_dict()
+            entry["step_bytes"] = step_bytes.get(tuple(d.link), 0)
+            entry["step_s"] = step_s
+            mine.append(entry)
+        # Most steps decide nothing: one small all-reduce says so, and only a step with a
+        # decision somewhere pays for gathering the decisions themselves.
+        count = torch.tensor([len(mine)], dtype=torch.int64, device=strategy.root_device)
+        torch.distributed.all_reduce(count)
+        if int(count.item()) == 0:
+            return
         gathered: list[list[dict[str, Any]] | None] = [None] * strategy.world_size
         torch.distributed.all_gather_object(gathered, mine)
         decisions = [d for part in gathered for d in (part or [])]
@@ -188,6 +222,16 @@ class DynamicEnvironmentAdapter(Callback):
     def _decide(self, trainer: pl.Trainer, strategy: Any, decisions: list[dict[str, Any]]) -> None:
         for d in decisions:
             key = f"{d['link'][0]}->{d['link'][1]}"
+            wire_s = d.get("step_bytes", 0) / max(d["new_bandwidth"], 1e-9)
+            if d["kind"] == "split" and wire_s < self.min_link_share * d.get("step_s", 0.0):
+                d = {**d, "kind": "ignored-split"}
+                rank_zero_info(
+                    f"DeepCEE adapter: step {d['step']} link {key} split ignored: its transfers "
+                    f"take {wire_s * 1e3:.1f} ms of a {d['step_s'] * 1e3:.0f} ms step "
+                    f"(< min_link_share={self.min_link_share})"
+                )
+                self.decisions.append(d)
+                continue
             if d["kind"] in ("split", "merge"):
                 self._splits[key] = int(d["split_factor"])
             self.decisions.append(d)

@@ -250,6 +250,9 @@ def run_command(
                 interface=net.interface(device.name),
                 launcher=config.launcher,
             )
+            # The trace's clock: CLOCK_MONOTONIC is one clock for every namespace of the kernel,
+            # so a device can place its own events on the trace's time axis.
+            env["DEEPCEE_LAB_T0"] = f"{t0:.6f}"
             log_file: IO[str] = open(out / f"{device.name}.log", "w")  # noqa: SIM115
             log_files.append(log_file)
             if rank == 0:
@@ -262,7 +265,6 @@ def run_command(
             )
             pump.start()
             pumps.append(pump)
-        t0 = time.monotonic()
         _supervise(net, config, trace, popens, ended, result, t0, say)
     finally:
         for popen in popens:

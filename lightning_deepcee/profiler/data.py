@@ -63,11 +63,20 @@ class _YamlLoader(yaml.SafeLoader):
     """
 
 
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
-    list("-+.0123456789"),
-)
+class _YamlDumper(yaml.SafeDumper):
+    """``yaml.SafeDumper`` that quotes strings :class:`_YamlLoader` would read as floats.
+
+    A host named ``1e5`` is a plain string to YAML 1.1, so the stock dumper leaves it unquoted;
+    our loader would then read it back as the number 100000.0.
+    """
+
+
+for _cls in (_YamlLoader, _YamlDumper):
+    _cls.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+        list("-+.0123456789"),
+    )
 
 
 class ProfileCacheWarning(UserWarning):
@@ -539,7 +548,13 @@ class ClusterProfile:
 
     def to_yaml(self, path: str | os.PathLike[str]) -> None:
         """Write as YAML (block style, one flow-style list per matrix row)."""
-        text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=100)
+        text = yaml.dump(
+            self.to_dict(),
+            Dumper=_YamlDumper,
+            sort_keys=False,
+            default_flow_style=None,
+            width=100,
+        )
         Path(path).write_text(text, encoding="utf-8")
 
     @classmethod

@@ -51,7 +51,12 @@ class TransferRecord:
     peer: int
     num_bytes: int
     seconds: float
+    """Seconds this rank was blocked: for a receive, waiting for the sender too."""
     direction: str  # "send" or "recv"
+    wire_s: float | None = None
+    """Receives only: seconds from the shape header's arrival to the payload's. The sender posts
+    both back to back, so this is the payload's time on the link, without the wait for the
+    sender to reach its send (which ``seconds`` includes). What link monitoring should read."""
 
 
 @dataclass
@@ -92,6 +97,7 @@ class P2PTransport:
         header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
         try:
             dist.recv(header, src, group=self.group)
+            arrived = time.perf_counter()
             values = header.tolist()
             dtype = _DTYPES[values[0]]
             shape = values[2 : 2 + values[1]]
@@ -103,9 +109,10 @@ class P2PTransport:
                 f"receiving from rank {src} failed after {time.perf_counter() - start:.1f} s"
                 f": {exc}",
             ) from exc
+        done = time.perf_counter()
         self.records.append(
             TransferRecord(
-                src, buf.numel() * buf.element_size(), time.perf_counter() - start, "recv"
+                src, buf.numel() * buf.element_size(), done - start, "recv", done - arrived
             )
         )
         return buf

