@@ -394,14 +394,18 @@ class DeepCEEStrategy(DDPStrategy):
             budget_s=self.profile_budget_s,
         )
         blocks, sample = list(self.spec.blocks), self.spec.input_fn(micro)
+        began = time.perf_counter()
         if self.profile_cache is not None:
             profile = profile_or_load(self.profile_cache, blocks, sample, **options)
         else:
             profile = profile_cluster(blocks, sample, **options)
+        seconds = time.perf_counter() - began
         self.cluster_profile = profile
         self.device_groups = group_devices(profile)
         rank_zero_info(format_cluster(profile, self.device_groups))
+        rank_zero_info(f"DeepCEE: profiled {profile.num_devices} devices in {seconds:.1f} s")
         metrics = {f"deepcee/capability_rank{d.rank}": d.capability for d in profile.devices}
+        metrics["deepcee/profile_s"] = seconds
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=0)
 

@@ -20,7 +20,8 @@ about ``N`` pair measurements of wall time.
 
 Each direction of a pair is measured on its own, so asymmetric links (a slow uplink) show: the
 initiator sends a ``small_bytes`` ping and gets a ``small_bytes`` pong (latency = round trip / 2),
-then sends a ``large_bytes`` ping and gets a ``small_bytes`` pong. The two round trips differ only
+then sends a large ping and gets a ``small_bytes`` pong (the large size is chosen per link by a
+warm-up round: about 0.2 s of transfer, at most ``large_bytes``). The two round trips differ only
 by the extra bytes going one way, so ``bandwidth = (large - small) / (rtt_large - rtt_small)``;
 echoing the large message back would average both directions. Medians over ``repeats`` reject
 noise.
@@ -89,9 +90,17 @@ unset the kind is the torch device type (``cpu``, ``cuda``)."""
 
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 
-# Ping header: byte 0 of every small ping says whether the initiator goes on.
+# Ping header: byte 0 of every small ping says whether the initiator goes on; bytes 1-8 carry
+# the size of the large message that follows (int64), which the initiator adapts to the link.
 _CONTINUE = 1
 _STOP = 2
+_HEADER_BYTES = 9
+_PROBE_BYTES = 256 * 2**10
+"""The warm-up round sends at most this much; its time sizes the measured messages."""
+_TARGET_S = 0.2
+"""Measured large messages are sized to take about this long on the link (between the probe
+size and ``large_bytes``): a 4 MiB message takes 1.7 s on a 20 Mbit/s WAN link, and the
+measurement sends eight of them per pair."""
 
 
 class ProfilingTimeoutError(RuntimeError):
@@ -520,7 +529,7 @@ def measure_network(
     per-operation timeout (``op_timeout_s``, default: the process group's timeout).
     """
     for name, value, minimum in (
-        ("small_bytes", small_bytes, 1),
+        ("small_bytes", small_bytes, _HEADER_BYTES),
         ("large_bytes", large_bytes, 1),
         ("repeats", repeats, 1),
     ):
@@ -663,27 +672,33 @@ def _initiate(
 ) -> tuple[float, float] | None:
     small_rtt: list[float] = []
     large_rtt: list[float] = []
-    for iteration in range(repeats + 1):  # iteration 0 warms up connections and buffers
+    size = max(len(small) + 1, min(len(large), _PROBE_BYTES))
+    for iteration in range(repeats + 1):  # iteration 0 warms up connections and sizes messages
         go = time.perf_counter() < context.deadline
         small[0] = _CONTINUE if go else _STOP
+        small[1:_HEADER_BYTES] = torch.tensor([size], dtype=torch.int64).view(torch.uint8)
         begin = time.perf_counter()
         context.send(small)
         if not go:
             return None
         context.recv(small)
         middle = time.perf_counter()
-        context.send(large)
+        context.send(large[:size])
         context.recv(small)
         end = time.perf_counter()
         if iteration > 0:
             small_rtt.append(middle - begin)
             large_rtt.append(end - middle)
+        else:
+            # Size the measured messages to take about _TARGET_S on this link.
+            rough = size / max(end - middle - (middle - begin), 1e-6)
+            size = int(min(len(large), max(size, rough * _TARGET_S)))
     small_s, large_s = statistics.median(small_rtt), statistics.median(large_rtt)
-    extra_bytes = len(large) - len(small)
+    extra_bytes = size - len(small)
     # The extra bytes took (large_s - small_s); noise on a very fast link can make that <= 0, so
     # fall back to the lower bound "the whole large message fit in its round trip".
     extra_s = large_s - small_s
-    bandwidth = extra_bytes / extra_s if extra_s > 0 else len(large) / max(large_s, 1e-9)
+    bandwidth = extra_bytes / extra_s if extra_s > 0 else size / max(large_s, 1e-9)
     return small_s / 2, bandwidth
 
 
@@ -692,8 +707,9 @@ def _respond(context: _PairContext, small: torch.Tensor, large: torch.Tensor, re
         context.recv(small)
         if int(small[0]) == _STOP:
             return False
+        size = int(small[1:_HEADER_BYTES].clone().view(torch.int64)[0])
         context.send(small)
-        context.recv(large)
+        context.recv(large[:size])
         context.send(small)
     return True
 
