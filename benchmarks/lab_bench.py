@@ -470,6 +470,24 @@ def _plot(result: dict[str, Any], order: list[str], path: Path, name: str) -> No
     plt.close(fig)
 
 
+def parse_with_config(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; a ``--config`` YAML (configs/bench/) supplies defaults for any option.
+
+    Keys may use ``-`` or ``_``; a key that is not an option of ``p`` is an error.
+    """
+    pre, _ = p.parse_known_args(argv)
+    if pre.config is not None:
+        import yaml
+
+        defaults = yaml.safe_load(pre.config.read_text()) or {}
+        known = {a.dest for a in p._actions}
+        unknown = sorted(set(k.replace("-", "_") for k in defaults) - known)
+        if unknown:
+            p.error(f"{pre.config}: unknown keys {unknown}")
+        p.set_defaults(**{k.replace("-", "_"): v for k, v in defaults.items()})
+    return p.parse_args(argv)
+
+
 def harness_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--topology", type=Path, help="lab topology YAML (required, or in --config)")
@@ -503,17 +521,7 @@ def harness_main(argv: list[str]) -> int:
     p.add_argument(
         "--config", type=Path, help="YAML of defaults for these options (configs/bench/)"
     )
-    pre, _ = p.parse_known_args(argv)
-    if pre.config is not None:
-        import yaml
-
-        defaults = yaml.safe_load(pre.config.read_text()) or {}
-        known = {a.dest for a in p._actions}
-        unknown = sorted(set(k.replace("-", "_") for k in defaults) - known)
-        if unknown:
-            p.error(f"{pre.config}: unknown keys {unknown}")
-        p.set_defaults(**{k.replace("-", "_"): v for k, v in defaults.items()})
-    args = p.parse_args(argv)
+    args = parse_with_config(p, argv)
     if args.topology is None:
         p.error("--topology is required (on the command line or in --config)")
     args.topology = Path(args.topology)

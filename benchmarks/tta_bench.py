@@ -30,8 +30,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
@@ -235,11 +233,9 @@ def harness_main(argv: list[str]) -> int:
     p.add_argument("--results", type=Path, default=HERE / "results")
     p.add_argument("--logs", type=Path, default=REPO / "runs" / "tta")
     p.add_argument("--report-only", action="store_true")
-    pre, _ = p.parse_known_args(argv)
-    if pre.config is not None:
-        defaults = yaml.safe_load(pre.config.read_text()) or {}
-        p.set_defaults(**{k.replace("-", "_"): v for k, v in defaults.items()})
-    args = p.parse_args(argv)
+    from lab_bench import parse_with_config
+
+    args = parse_with_config(p, argv)
     if args.topology is None:
         p.error("--topology is required (or in --config)")
     from lightning_deepcee.lab.topology import load_topology

@@ -204,7 +204,7 @@ class DynamicEnvironmentAdapter(Callback):
         for d in self.monitor.observe(step, observations):
             # Carry the deciding rank's figures, so every rank judges the decision alike.
             entry = d.to_dict()
-            entry["step_bytes"] = step_bytes.get(tuple(d.link), 0)
+            entry["step_bytes"] = step_bytes.get(d.link, 0)
             entry["step_s"] = step_s
             mine.append(entry)
         # Most steps decide nothing: one small all-reduce says so, and only a step with a

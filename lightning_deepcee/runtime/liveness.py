@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -116,7 +116,11 @@ def find_lost_ranks(store: Any, rank: int, world_size: int, *, wait_s: float) ->
 
 
 def lost_message(
-    lost: Sequence[int] | None, *, describe: Any, cause: BaseException, wait_s: float
+    lost: Sequence[int] | None,
+    *,
+    describe: Callable[[int], str],
+    cause: BaseException,
+    wait_s: float,
 ) -> str:
     """The error text: who was lost (``describe(rank)`` gives "rank 2 (stage 1, host edge0)")."""
     if lost is None:
