@@ -10,6 +10,8 @@ initial weights), on the same Shakespeare windows, with the same *global* batch 
 step:
 
 - ``deepcee``: ``DeepCEEStrategy()`` -- profile devices and links at setup, search a plan, run it.
+- ``deepcee-adapter``: the same plus the ``DynamicEnvironmentAdapter`` callback (adapter on; the
+  ``deepcee`` system is the adapter-off arm).
 - ``deepcee-manual``: ``DeepCEEStrategy(schedule="1f1b", num_microbatches=M)``, one stage per
   device, parameter-balanced partition (planner ablation).
 - ``ddp``: Lightning ``DDPStrategy``, per-device batch = global / N.
@@ -43,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-LIGHTNING_SYSTEMS = ("deepcee", "deepcee-manual", "ddp")
+LIGHTNING_SYSTEMS = ("deepcee", "deepcee-adapter", "deepcee-manual", "ddp")
 PIPE_SYSTEMS = ("pipe-gpipe", "pipe-1f1b", "pipe-zb")
 SYSTEMS = LIGHTNING_SYSTEMS + PIPE_SYSTEMS
 
@@ -95,7 +97,7 @@ def _lightning_worker(args: argparse.Namespace) -> None:
             raise SystemExit(f"global batch {g} is not divisible by {world} devices")
         strategy: Any = DDPStrategy(process_group_backend="gloo")
         per_loader = g // world
-    elif args.system == "deepcee":
+    elif args.system in ("deepcee", "deepcee-adapter"):
         # Automatic profile + plan. Only the profiling time budget is raised (default 60 s):
         # measuring cee6's links on 2 shared cores took longer than that.
         strategy = DeepCEEStrategy(profile_budget_s=args.profile_budget_s)
@@ -127,6 +129,11 @@ def _lightning_worker(args: argparse.Namespace) -> None:
                         extra["shares"] = [list(stage.batch_shares) for stage in st.plan.stages]
                 _emit(g, self.stamps, args.warmup, extra)
 
+    callbacks: list[Callback] = [BenchTimer()]
+    if args.system == "deepcee-adapter":
+        from lightning_deepcee import DynamicEnvironmentAdapter
+
+        callbacks.append(DynamicEnvironmentAdapter())
     pl.seed_everything(0)
     model = GPT(**gpt_kwargs(args.size))
     trainer = pl.Trainer(
@@ -141,7 +148,7 @@ def _lightning_worker(args: argparse.Namespace) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         precision="32-true",
-        callbacks=[BenchTimer()],
+        callbacks=callbacks,
         default_root_dir=str(REPO / "runs" / "bench"),
     )
     trainer.fit(model, datamodule=_gpt_data(args, per_loader))

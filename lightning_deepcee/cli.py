@@ -29,7 +29,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from lightning_deepcee.planner import plan_search, stage_costs
     from lightning_deepcee.profiler import ClusterProfile
-    from lightning_deepcee.schedule import generate, lower, simulate
+    from lightning_deepcee.schedule import lower, simulate
 
     path = str(args.profile)
     is_json = path.endswith(".json")
@@ -51,7 +51,7 @@ def _plan(args: argparse.Namespace) -> int:
         p, m = len(plan.stages), plan.num_microbatches
         placement = {s: s for s in range(p)}
         result = simulate(
-            lower(generate(plan.schedule, p, m), placement), placement, costs, num_microbatches=m
+            lower(plan.stage_schedule(), placement), placement, costs, num_microbatches=m
         )
         if args.trace:
             result.write_chrome_trace(args.trace)
@@ -76,7 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = sub.add_parser("plan", help="search a plan offline from a cluster profile")
     plan.add_argument("--profile", required=True, help="ClusterProfile YAML or JSON")
     plan.add_argument("--global-batch-size", type=int, required=True)
-    plan.add_argument("--schedules", default="1f1b,zb-h1", help="comma-separated candidates")
+    plan.add_argument(
+        "--schedules", default="1f1b,zb-h1,compact", help="comma-separated candidates"
+    )
     plan.add_argument("--beam-width", type=int, default=8)
     plan.add_argument("--out", default="plan.json", help="where to write the plan (JSON)")
     plan.add_argument("--timeline", help="also write the simulated timeline as a PNG")

@@ -12,6 +12,8 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.optim import Optimizer
 
+from lightning_deepcee.runtime.transport import all_reduce_
+
 __all__ = ["PipelineMixedPrecision", "PipelinePrecision", "wrap_precision"]
 
 
@@ -25,7 +27,7 @@ def _clip_global_norm(precision: Precision, optimizer: Optimizer, clip_val: floa
     # its share so the stage counts once in the global norm.
     squared *= getattr(precision, "norm_share", 1.0)
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(squared)
+        all_reduce_(squared)
     total = squared.sqrt()
     coef = clip_val / (total + 1e-6)
     if coef < 1.0:

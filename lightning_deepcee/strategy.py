@@ -77,9 +77,9 @@ from lightning_deepcee.runtime.liveness import (
 )
 from lightning_deepcee.runtime.measure import model_fingerprint, profile_cluster, profile_or_load
 from lightning_deepcee.runtime.routing import Router, StageLayout
-from lightning_deepcee.runtime.transport import PeerLostError, TransferRecord
+from lightning_deepcee.runtime.transport import PeerLostError, TransferRecord, all_reduce_
 from lightning_deepcee.schedule import SCHEDULE_KINDS, generate, lower, render, validate
-from lightning_deepcee.schedule.generators import forward_only
+from lightning_deepcee.schedule.generators import StageSchedule, forward_only
 
 __all__ = ["DeepCEEStrategy"]
 
@@ -349,6 +349,9 @@ class DeepCEEStrategy(DDPStrategy):
         self.spec = get_pipeline_spec(module)
         num_blocks = len(self.spec.blocks)
         if self.profile and trainer.state.fn == TrainerFn.FITTING:
+            # Blocks are timed where they will run (the batch is already on root_device);
+            # model_to_device below would move them there anyway.
+            self.model_to_device()
             self._profile_cluster(trainer)
         if self.plan_arg is not None:
             self.plan = self._load_or_search_plan(num_blocks)
@@ -465,13 +468,23 @@ class DeepCEEStrategy(DDPStrategy):
             rank=self.global_rank,
         )
         m = self.num_microbatches
-        train = lower(generate(self.schedule_kind, self.num_stages, m), placement)
+        train = lower(self._stage_schedule(m), placement)
         validate(train, placement, m)
         evaluation = lower(forward_only(self.num_stages, m), placement)
         validate(evaluation, placement, m, require_backward=False)
         self._train_schedule = train
         self._executor = PipelineExecutor(actions=train[self.stage_index], **common)
         self._eval_executor = PipelineExecutor(actions=evaluation[self.stage_index], **common)
+
+    def _stage_schedule(self, m: int) -> StageSchedule:
+        """Compute actions per stage for ``m`` micro-batches.
+
+        A plan's own schedule (a ``"compact"`` plan carries its fitted actions, valid for the
+        plan's micro-batch count; ZB-H1 for any other), else the named generator.
+        """
+        if self.plan is not None and self.schedule_kind == self.plan.schedule:
+            return self.plan.stage_schedule(m)
+        return generate(self.schedule_kind, self.num_stages, m)
 
     def set_num_microbatches(self, num_microbatches: int) -> None:
         """Use ``num_microbatches`` from the next step on (all ranks must call it together).
@@ -503,7 +516,7 @@ class DeepCEEStrategy(DDPStrategy):
             ranks = ",".join(str(r) for r in self.placement[s])
             lines.append(f"  {s:>5} | [{a:>3}, {b:>3}) | {ranks:<12} | {n:,}")
         placement = {s: s for s in range(self.num_stages)}
-        stage_sched = generate(self.schedule_kind, self.num_stages, self.num_microbatches)
+        stage_sched = self._stage_schedule(self.num_microbatches)
         lines.append("  schedule (stage | actions):")
         grid = render(lower(stage_sched, placement), compute_only=True)
         lines.extend("    " + line for line in grid.splitlines())
@@ -524,7 +537,7 @@ class DeepCEEStrategy(DDPStrategy):
         if loss is not None:
             value = value + loss.detach().float()
         # Every rank returns the real loss: the last-stage devices each contribute their rows.
-        dist.all_reduce(value)
+        all_reduce_(value)
         self.last_step_samples = total * self.num_replicas
         tokens_fn = self.spec.tokens_fn if self.spec is not None else None
         self.last_step_tokens = tokens_fn(batch) * self.num_replicas if tokens_fn else None
@@ -805,6 +818,6 @@ def _sum_gradients(params: Sequence[torch.nn.Parameter], group: Any) -> None:
     for group_params in by_dtype.values():
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group_params]
         flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
+        all_reduce_(flat, group=group)
         for p, g in zip(group_params, _unflatten_dense_tensors(flat, grads), strict=True):
             p.grad = g

@@ -473,10 +473,17 @@ def _lowered(schedule: str, p: int, m: int) -> RankSchedule:
     return _LOWERED[key]
 
 
-def _simulate(costs: StageCosts, schedule: str, m: int) -> tuple[float, float, dict[int, int]]:
+def _simulate(
+    costs: StageCosts, schedule: str, m: int, stage_schedule: StageSchedule | None = None
+) -> tuple[float, float, dict[int, int]]:
     p = costs.num_stages
     placement = {s: s for s in range(p)}
-    result = simulate(_lowered(schedule, p, m), placement, costs, num_microbatches=m)
+    if stage_schedule is None:
+        ranked = _lowered(schedule, p, m)
+    else:  # a cost-fitted schedule (compact): not cached
+        ranked = lower(stage_schedule, placement)
+        validate(ranked, placement, m)
+    result = simulate(ranked, placement, costs, num_microbatches=m)
     return result.step_time_s, result.bubble_ratio, result.peak_memory_bytes
 
 
@@ -488,14 +495,24 @@ def predict(
     global_batch_size: int,
     *,
     config: CostModelConfig | None = None,
+    stage_schedule: StageSchedule | None = None,
 ) -> Prediction:
     """Predict one optimizer step of ``stages`` under ``schedule`` (see the module docstring).
 
     The micro-batch size is ``global_batch_size / num_microbatches`` samples (the mean, when
-    the division is not exact).
+    the division is not exact). ``schedule="compact"`` needs its actions in ``stage_schedule``
+    (:meth:`Plan.stage_schedule <lightning_deepcee.planner.Plan.stage_schedule>`); the other
+    kinds are generated.
     """
     return _predict(
-        profile, stages, schedule, num_microbatches, global_batch_size, config, breakdown=True
+        profile,
+        stages,
+        schedule,
+        num_microbatches,
+        global_batch_size,
+        config,
+        breakdown=True,
+        stage_schedule=stage_schedule,
     )
 
 
@@ -508,10 +525,21 @@ def _predict(
     config: CostModelConfig | None,
     *,
     breakdown: bool,
+    stage_schedule: StageSchedule | None = None,
 ) -> Prediction:
     config = config or CostModelConfig()
-    if schedule not in SCHEDULE_KINDS:
-        raise ValueError(f"schedule: expected one of {', '.join(SCHEDULE_KINDS)}, got {schedule!r}")
+    if schedule == "compact":
+        if stage_schedule is None:
+            raise ValueError(
+                "schedule 'compact' is fitted to costs: pass its actions as stage_schedule "
+                "(plan_search makes them; Plan.stage_schedule() returns a plan's)"
+            )
+    elif schedule not in SCHEDULE_KINDS:
+        raise ValueError(
+            f"schedule: expected one of {', '.join((*SCHEDULE_KINDS, 'compact'))}, got {schedule!r}"
+        )
+    else:
+        stage_schedule = None  # generated kinds: the cached generator
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"num_microbatches: expected a positive integer, got {m!r}")
     if global_batch_size < m:
@@ -523,7 +551,7 @@ def _predict(
     arrays = _arrays(profile)
     b = global_batch_size / m
     costs = _stage_costs(arrays, stages, b)
-    pipeline_s, bubble, activation_peak = _simulate(costs, schedule, m)
+    pipeline_s, bubble, activation_peak = _simulate(costs, schedule, m, stage_schedule)
     compute_s = m * max(
         f + bi + w
         for f, bi, w in zip(
@@ -540,7 +568,7 @@ def _predict(
             send_forward_s=(0.0,) * (len(stages) - 1),
             send_backward_s=(0.0,) * (len(stages) - 1),
         )
-        transfer_s = max(0.0, pipeline_s - _simulate(free, schedule, m)[0])
+        transfer_s = max(0.0, pipeline_s - _simulate(free, schedule, m, stage_schedule)[0])
     allreduce_s = optimizer_s = 0.0
     memory: dict[int, int] = {}
     over: list[int] = []

@@ -11,7 +11,11 @@ This module owns two frozen records:
   (:meth:`Plan.format_table`) and :meth:`Plan.check_matches`, which refuses a saved plan that does
   not fit the current model or cluster.
 
-Pure: standard library only (plus the schedule kinds). A plan always uses every rank of the
+A ``"compact"`` plan carries its schedule: the compact zero-bubble schedule is fitted to the
+cluster's costs, so the planner stores the compute actions of every stage
+(``stage_actions``) and every rank runs exactly those.
+
+Pure: standard library only (plus the schedule package). A plan always uses every rank of the
 cluster exactly once; block ranges are contiguous, in order, and cover every block.
 """
 
@@ -27,7 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_deepcee.schedule.generators import SCHEDULE_KINDS
+from lightning_deepcee.schedule.actions import parse_actions
+from lightning_deepcee.schedule.compact import COST_AWARE_SCHEDULE_KINDS
+from lightning_deepcee.schedule.generators import StageSchedule, generate
+from lightning_deepcee.schedule.lowering import lower
+from lightning_deepcee.schedule.validate import validate
 
 __all__ = ["SHARE_TOLERANCE", "Plan", "StagePlan"]
 
@@ -170,7 +178,8 @@ class Plan:
     stages: tuple[StagePlan, ...]
     """Pipeline stages in order; stage ``s`` sends activations to stage ``s + 1``."""
     schedule: str
-    """Schedule kind, one of :data:`~lightning_deepcee.schedule.SCHEDULE_KINDS`."""
+    """Schedule kind: one of :data:`~lightning_deepcee.schedule.SCHEDULE_KINDS`, or
+    ``"compact"`` (the cost-fitted compact zero-bubble schedule, given in ``stage_actions``)."""
     num_microbatches: int
     """Micro-batches per optimizer step."""
     global_batch_size: int
@@ -187,6 +196,9 @@ class Plan:
     """Fingerprint of the device set the plan was made for."""
     notes: str = ""
     """Free text: why this plan won, which candidates were rejected."""
+    stage_actions: tuple[str, ...] | None = None
+    """``"compact"`` plans only: per stage, its compute actions in order, as text
+    (``"0F0 0F1 0B0 0W0 ..."``, see :func:`~lightning_deepcee.schedule.format_actions`)."""
 
     def __post_init__(self) -> None:
         stages = self.stages
@@ -218,14 +230,16 @@ class Plan:
                         "each rank belongs to exactly one stage"
                     )
                 seen[rank] = index
-        if self.schedule not in SCHEDULE_KINDS:
+        if self.schedule not in COST_AWARE_SCHEDULE_KINDS:
             raise ValueError(
-                f"schedule: expected one of {', '.join(SCHEDULE_KINDS)}, got {self.schedule!r}"
+                f"schedule: expected one of {', '.join(COST_AWARE_SCHEDULE_KINDS)}, got "
+                f"{self.schedule!r}"
             )
         for name in ("num_microbatches", "global_batch_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        object.__setattr__(self, "stage_actions", self._checked_actions(len(stages)))
         if self.global_batch_size < self.num_microbatches:
             raise ValueError(
                 f"global_batch_size: {self.global_batch_size} samples cannot fill "
@@ -257,8 +271,64 @@ class Plan:
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "predicted_peak_memory_bytes", memory_by_rank)
 
+    def _checked_actions(self, num_stages: int) -> tuple[str, ...] | None:
+        actions = self.stage_actions
+        if self.schedule != "compact":
+            if actions is not None:
+                raise ValueError(
+                    f"stage_actions: only a 'compact' plan lists its actions; schedule "
+                    f"{self.schedule!r} is generated (remove stage_actions)"
+                )
+            return None
+        if (
+            isinstance(actions, (str, bytes))
+            or not isinstance(actions, Sequence)
+            or len(actions) != num_stages
+            or not all(isinstance(text, str) for text in actions)
+        ):
+            raise ValueError(
+                f"stage_actions: a 'compact' plan needs one action string per stage "
+                f"({num_stages}), got {actions!r}"
+            )
+        schedule: StageSchedule = {}
+        for s, text in enumerate(actions):
+            try:
+                schedule[s] = parse_actions(text)
+            except ValueError as exc:
+                raise ValueError(f"stage_actions[{s}]: {exc}") from None
+            wrong = [str(a) for a in schedule[s] if a.stage != s or not a.is_compute]
+            if wrong:
+                raise ValueError(
+                    f"stage_actions[{s}]: expected compute actions (F, B, W, BW) of stage {s}, "
+                    f"got {wrong[:3]}"
+                )
+        placement = {s: s for s in range(num_stages)}
+        try:
+            validate(lower(schedule, placement), placement, self.num_microbatches)
+        except ValueError as exc:
+            raise ValueError(f"stage_actions: not a valid schedule: {exc}") from None
+        return tuple(actions)
+
     # ---------------------------------------------------------------------------------------
     # Views
+    # ---------------------------------------------------------------------------------------
+
+    def stage_schedule(self, num_microbatches: int | None = None) -> StageSchedule:
+        """Compute actions per stage for ``num_microbatches`` (default: the plan's count).
+
+        A ``"compact"`` plan's stored actions hold for its own micro-batch count only; for any
+        other count (the adapter re-splitting) this returns ZB-H1, the zero-bubble schedule
+        that needs no costs.
+        """
+        m = self.num_microbatches if num_microbatches is None else num_microbatches
+        if self.schedule == "compact":
+            if m == self.num_microbatches and self.stage_actions is not None:
+                return {s: parse_actions(text) for s, text in enumerate(self.stage_actions)}
+            return generate("zb-h1", self.num_stages, m)
+        return generate(self.schedule, self.num_stages, m)
+
+    # ---------------------------------------------------------------------------------------
+    # Views of the layout
     # ---------------------------------------------------------------------------------------
 
     @property
@@ -348,6 +418,7 @@ class Plan:
             "model_fingerprint": self.model_fingerprint,
             "cluster_fingerprint": self.cluster_fingerprint,
             "notes": self.notes,
+            **({"stage_actions": list(self.stage_actions)} if self.stage_actions else {}),
         }
 
     @classmethod

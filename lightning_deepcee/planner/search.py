@@ -19,7 +19,12 @@ The candidate space of :func:`plan_search` (see ``docs/planner.md``):
 
 each with the block partition of :func:`heterogeneous_partition` (refined by moving boundaries),
 every micro-batch count of ``microbatch_candidates`` that divides the global batch and every
-schedule of ``schedules``.
+generated schedule of ``schedules``. When ``schedules`` holds ``"compact"`` (the default), the
+winning layout is then given the compact zero-bubble schedule fitted to its own stage and link
+costs (:func:`~lightning_deepcee.schedule.compact_zero_bubble`), at each micro-batch count, under
+the memory limits; it replaces the generated schedule only where it is predicted faster. It is
+fitted once at the end rather than inside the search because fitting costs a few greedy
+simulations per candidate, and it never predicts worse than ZB-H1 or 1F1B under the same caps.
 
 Pure: numpy, scipy and the standard library (no torch, no lightning).
 """
@@ -44,6 +49,7 @@ from lightning_deepcee.planner.cost_model import (
     _arrays,
     _predict,
     _shares,
+    _stage_costs,
     in_flight_microbatches,
 )
 from lightning_deepcee.planner.plan import Plan, StagePlan
@@ -55,7 +61,13 @@ from lightning_deepcee.profiler.grouping import (
     group_devices,
     network_distances,
 )
-from lightning_deepcee.schedule.generators import SCHEDULE_KINDS
+from lightning_deepcee.schedule.actions import format_actions
+from lightning_deepcee.schedule.compact import (
+    COST_AWARE_SCHEDULE_KINDS,
+    compact_zero_bubble,
+    default_max_in_flight,
+)
+from lightning_deepcee.schedule.generators import SCHEDULE_KINDS, StageSchedule
 
 __all__ = [
     "DEFAULT_MAX_STAGES",
@@ -73,6 +85,12 @@ _EXACT_PARTITIONS = 64
 _REFINED_ORDERS = 2
 """How many of the beam's final orders get boundary refinement and second-level splitting."""
 _REFINE_EVERY_SPLIT = 8
+# The compact schedule replaces the generated one only when predicted this much faster (its
+# actions are fitted to measured costs; a marginal gain is within their noise).
+_COMPACT_GAIN = 0.02
+# Micro-batch counts whose best generated schedule is this much slower than the winner are not
+# fitted (the compact schedule gains at most the bubble).
+_COMPACT_WINDOW = 1.5
 """Up to this many stages every trial split is refined before it is compared; beyond, trial
 splits are compared on the balanced partition and only the final structure is refined."""
 
@@ -156,6 +174,7 @@ class _Scored:
     num_microbatches: int
     stages: tuple[StagePlan, ...]
     prediction: Prediction
+    stage_schedule: StageSchedule | None = None  # "compact" only: the fitted actions
 
 
 class _Context:
@@ -348,7 +367,11 @@ def make_plan(
 
 def _to_plan(profile: ClusterProfile, scored: _Scored, global_batch_size: int, notes: str) -> Plan:
     p = scored.prediction
+    actions = None
+    if scored.stage_schedule is not None:
+        actions = tuple(format_actions(scored.stage_schedule[s]) for s in range(len(scored.stages)))
     return Plan(
+        stage_actions=actions,
         stages=scored.stages,
         schedule=scored.schedule,
         num_microbatches=scored.num_microbatches,
@@ -400,7 +423,7 @@ def _search_context(
     return _Context(
         profile,
         global_batch_size=global_batch_size,
-        schedules=tuple(schedules),
+        schedules=tuple(k for k in schedules if k in SCHEDULE_KINDS),  # compact: fitted after
         microbatch_counts=_microbatch_counts(microbatch_candidates, global_batch_size),
         memory_check=memory_check,
         config=config or CostModelConfig(),
@@ -413,11 +436,11 @@ def _check_request(profile: ClusterProfile, num_blocks: int, schedules: Sequence
             f"num_blocks: the model has {num_blocks} blocks but the profile was measured on "
             f"{profile.num_blocks}; re-profile the cluster for this model"
         )
-    unknown = [k for k in schedules if k not in SCHEDULE_KINDS]
-    if not schedules or unknown:
+    unknown = [k for k in schedules if k not in COST_AWARE_SCHEDULE_KINDS]
+    if not schedules or unknown or not any(k in SCHEDULE_KINDS for k in schedules):
         raise ValueError(
-            f"schedules: expected a non-empty list of {', '.join(SCHEDULE_KINDS)}, got "
-            f"{list(schedules)!r}"
+            f"schedules: expected a list of {', '.join(COST_AWARE_SCHEDULE_KINDS)} with at "
+            f"least one generated kind ({', '.join(SCHEDULE_KINDS)}), got {list(schedules)!r}"
         )
 
 
@@ -441,7 +464,7 @@ def baseline_plans(
     profile: ClusterProfile,
     *,
     global_batch_size: int,
-    schedules: Sequence[str] = ("1f1b", "zb-h1"),
+    schedules: Sequence[str] = ("1f1b", "zb-h1", "compact"),
     microbatch_candidates: Sequence[int] = (1, 2, 4, 8, 16),
     max_iter: int = 20,
     memory_check: bool = True,
@@ -561,7 +584,7 @@ def plan_search(
     *,
     num_blocks: int,
     global_batch_size: int,
-    schedules: Sequence[str] = ("1f1b", "zb-h1"),
+    schedules: Sequence[str] = ("1f1b", "zb-h1", "compact"),
     microbatch_candidates: Sequence[int] = (1, 2, 4, 8, 16),
     beam_width: int = 8,
     max_iter: int = 20,
@@ -577,7 +600,8 @@ def plan_search(
         profile: the measured (or declared) cluster.
         num_blocks: the model's number of blocks; must equal ``profile.num_blocks``.
         global_batch_size: samples per optimizer step.
-        schedules: schedule kinds to consider.
+        schedules: schedule kinds to consider; ``"compact"`` is fitted to the winning layout
+            at the end (see the module docstring) and needs a generated kind beside it.
         microbatch_candidates: micro-batch counts to consider; those that divide
             ``global_batch_size`` are used (all that fit when none divides).
         beam_width: partial orders of the network groups kept at each level of the beam search
@@ -629,7 +653,66 @@ def plan_search(
         if other != name
     )
     notes = f"{note}chosen: {name}; other candidates: {others or 'none fit'}"
+    if "compact" in schedules:
+        fitted = _fit_compact(context, best)
+        if fitted is not None and fitted.step_time_s < best.step_time_s * (1 - _COMPACT_GAIN):
+            notes += (
+                f"; compact schedule (m={fitted.num_microbatches}) "
+                f"{fitted.step_time_s * 1e3:.2f} ms vs {best.schedule} "
+                f"(m={best.num_microbatches}) {best.step_time_s * 1e3:.2f} ms"
+            )
+            best = fitted
     return _to_plan(profile, best, global_batch_size, notes)
+
+
+def _fit_compact(context: _Context, scored: _Scored) -> _Scored | None:
+    """The compact schedule fitted to ``scored``'s layout; the fastest over micro-batch counts.
+
+    At each count the layout's batch shares come from the best generated schedule there. The
+    compact schedule may hold every micro-batch in flight on every stage; when that does not fit
+    a device's memory, as many as ZB-H1 (``min(p, m)``), else as 1F1B.
+    """
+    p = len(scored.structure)
+    if p < 2:
+        return None
+    best: _Scored | None = None
+    for m in context.microbatch_counts:
+        generated = None
+        for kind in context.schedules:
+            cand = context.evaluate(scored.structure, scored.ranges, kind, m)
+            if cand is not None and (generated is None or cand.step_time_s < generated.step_time_s):
+                generated = cand
+        if generated is None or generated.step_time_s > _COMPACT_WINDOW * scored.step_time_s:
+            continue  # far behind at this count: fitting will not close the gap
+        costs = _stage_costs(context.arrays, generated.stages, context.global_batch_size / m)
+        # Most micro-batches in flight first (covers the slowest hops), then ZB-H1's, 1F1B's.
+        for caps in ([m] * p, [min(p, m)] * p, default_max_in_flight(p, m)):
+            schedule = compact_zero_bubble(costs, m, max_in_flight=caps)
+            prediction = _predict(
+                context.profile,
+                generated.stages,
+                "compact",
+                m,
+                context.global_batch_size,
+                context.config,
+                breakdown=False,
+                stage_schedule=schedule,
+            )
+            if context.memory_check and not prediction.fits_memory:
+                continue
+            if best is None or prediction.step_time_s < best.step_time_s:
+                best = _Scored(
+                    prediction.step_time_s,
+                    scored.structure,
+                    scored.ranges,
+                    "compact",
+                    m,
+                    generated.stages,
+                    prediction,
+                    schedule,
+                )
+            break  # the larger caps fit: the smaller ones cannot do better
+    return best
 
 
 def _search_units(

@@ -23,7 +23,12 @@ from lightning_deepcee.runtime.stage import (
     split_batch,
     split_sizes,
 )
-from lightning_deepcee.runtime.transport import P2PTransport, TransferRecord
+from lightning_deepcee.runtime.transport import (
+    P2PTransport,
+    TransferRecord,
+    all_reduce_,
+    wire_device,
+)
 
 __all__ = [
     "BlockTimings",
@@ -40,6 +45,7 @@ __all__ = [
     "StageLayout",
     "StepStats",
     "TransferRecord",
+    "all_reduce_",
     "available_memory_bytes",
     "batch_size_of",
     "build_stage",
@@ -52,4 +58,5 @@ __all__ = [
     "split_batch",
     "split_rows",
     "split_sizes",
+    "wire_device",
 ]

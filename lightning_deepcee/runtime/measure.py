@@ -69,6 +69,7 @@ from lightning_deepcee.profiler.data import (
     fingerprint_cluster,
     load_cached_profile,
 )
+from lightning_deepcee.runtime.transport import wire_device
 
 __all__ = [
     "DEVICE_KIND_ENV",
@@ -842,7 +843,7 @@ def profile_cluster(
         repeats=network_repeats,
         budget_s=budget_s,
         op_timeout_s=op_timeout_s,
-        device=device if device.type == "cuda" else "cpu",
+        device=wire_device(device, group),
         hosts=hosts,
     )
     devices = [_device_profile(rank, hosts[rank], record) for rank, record in enumerate(gathered)]

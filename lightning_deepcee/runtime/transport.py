@@ -7,6 +7,11 @@ micro-batch 0 and cannot do that). Sends are asynchronous (``isend``) and kept a
 :meth:`P2PTransport.wait_sends`; receives block. Messages between one ordered pair of ranks
 arrive in the order they were sent, which the schedule validator guarantees matches the order
 they are received; no tags are needed.
+
+Gloo carries host memory only (its send/recv read the tensor's pointer as host memory). A
+cluster that mixes GPU and CPU-only devices (cloud GPUs, end-device CPUs) must use gloo, so
+CUDA tensors are staged through host memory whenever the group's backend is gloo
+(:func:`wire_device`, :func:`all_reduce_`); with NCCL they stay on the GPU.
 """
 
 from __future__ import annotations
@@ -17,7 +22,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["MAX_DIMS", "P2PTransport", "PeerLostError", "TransferRecord"]
+__all__ = [
+    "MAX_DIMS",
+    "P2PTransport",
+    "PeerLostError",
+    "TransferRecord",
+    "all_reduce_",
+    "wire_device",
+]
 
 
 class PeerLostError(RuntimeError):
@@ -42,6 +54,32 @@ _DTYPES: tuple[torch.dtype, ...] = (
     torch.bool,
 )
 _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+
+
+def wire_device(device: torch.device, group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where tensors of ``device`` must be while ``group``'s backend moves them.
+
+    ``device`` itself, except CUDA tensors on a gloo group, which go through host memory.
+    """
+    if device.type == "cuda" and dist.get_backend(group) == dist.Backend.GLOO:
+        return torch.device("cpu")
+    return device
+
+
+def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum ``tensor`` in place over ``group``, staging it through host memory for gloo.
+
+    Staging also keeps every rank of a mixed GPU/CPU gloo group on gloo's host algorithm
+    (its CUDA and host all-reduce paths are separate implementations).
+    """
+    wire = wire_device(tensor.device, group)
+    if wire == tensor.device:
+        dist.all_reduce(tensor, group=group)
+    else:
+        staged = tensor.to(wire)
+        dist.all_reduce(staged, group=group)
+        tensor.copy_(staged)
+    return tensor
 
 
 @dataclass(slots=True)
@@ -75,12 +113,13 @@ class P2PTransport:
         if tensor.dim() > MAX_DIMS:
             raise ValueError(f"Cannot send a tensor with {tensor.dim()} > {MAX_DIMS} dimensions.")
         start = time.perf_counter()
-        payload = tensor.detach().contiguous()
+        wire = wire_device(tensor.device, self.group)
+        payload = tensor.detach().to(wire).contiguous()
         header = torch.zeros(2 + MAX_DIMS, dtype=torch.int64)
         header[0] = _DTYPE_CODE[payload.dtype]
         header[1] = payload.dim()
         header[2 : 2 + payload.dim()] = torch.tensor(payload.shape, dtype=torch.int64)
-        header = header.to(self.device)
+        header = header.to(wire)
         for msg in (header, payload):
             work = dist.isend(msg, dst, group=self.group)
             if work is not None:
@@ -94,14 +133,15 @@ class P2PTransport:
     def recv(self, src: int) -> torch.Tensor:
         """Block until the next tensor from global rank ``src`` has arrived and return it."""
         start = time.perf_counter()
-        header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
+        wire = wire_device(self.device, self.group)
+        header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=wire)
         try:
             dist.recv(header, src, group=self.group)
             arrived = time.perf_counter()
             values = header.tolist()
             dtype = _DTYPES[values[0]]
             shape = values[2 : 2 + values[1]]
-            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            buf = torch.empty(shape, dtype=dtype, device=wire)
             dist.recv(buf, src, group=self.group)
         except RuntimeError as exc:
             raise PeerLostError(
@@ -115,7 +155,7 @@ class P2PTransport:
                 src, buf.numel() * buf.element_size(), done - start, "recv", done - arrived
             )
         )
-        return buf
+        return buf.to(self.device, non_blocking=False)
 
     def wait_sends(self) -> float:
         """Wait for every outstanding send; returns the seconds spent waiting."""

@@ -38,11 +38,15 @@ def _trainer(cfg: dict[str, Any], root: Path, **overrides: Any) -> pl.Trainer:
         num_stages=cfg.get("num_stages"),
         placement=cfg.get("placement"),
         profile_cache=str(root / "profile.yaml") if cfg.get("profile") else None,
-        verbose=False,
+        verbose=cfg.get("verbose", False),
+        process_group_backend=cfg.get("backend"),
     )
+    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     kwargs: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        # "accelerators": one per rank, each launched as its own node (tests/test_gpu.py)
+        accelerator=cfg["accelerators"][rank] if "accelerators" in cfg else "cpu",
+        devices=local,
+        num_nodes=int(os.environ["WORLD_SIZE"]) // local,
         strategy=strategy,
         max_steps=cfg.get("steps", 4),
         logger=False,
@@ -87,7 +91,7 @@ def _callbacks(cfg: dict[str, Any]) -> list[pl.Callback]:
 
 def _save_params(model: torch.nn.Module, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, path)
+    torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, path)
 
 
 def run(cfg: dict[str, Any], out: Path) -> None:

@@ -142,11 +142,32 @@ def _asymmetric_plan(path: Path) -> str:
     return str(path)
 
 
+def _compact_plan(path: Path) -> str:
+    """The asymmetric layout above under a compact schedule fitted to unequal stage costs."""
+    from lightning_deepcee.schedule import StageCosts, compact_zero_bubble, format_actions
+
+    costs = StageCosts(
+        forward_s=(1.0, 3.0, 0.5), backward_input_s=(1.0, 3.0, 0.5),
+        backward_weight_s=(2.0, 1.0, 0.5), activation_bytes=(0, 0, 0),
+        send_forward_s=(0.2, 4.0), send_backward_s=(0.2, 4.0),
+    )  # fmt: skip
+    schedule = compact_zero_bubble(costs, 3, max_in_flight=[3, 3, 3])
+    plan = Plan.from_json(_asymmetric_plan(path))
+    data = plan.to_dict() | {"schedule": "compact"}
+    data["stage_actions"] = [format_actions(schedule[s]) for s in range(3)]
+    Plan.from_dict(data).to_json(path)
+    return str(path)
+
+
 def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
     world = 4
     configs: list[dict[str, Any]] = [
         # A saved plan with asymmetric data parallelism inside stage 0.
         {"name": "plan", "plan": _asymmetric_plan(tmp_path / "plan.json"), "steps": 3},
+        # The same layout with a fitted compact schedule; re-split to 4 micro-batches (ZB-H1)
+        # for one step and back to the plan's 3 (its own actions again).
+        {"name": "compact", "plan": _compact_plan(tmp_path / "compact.json"), "steps": 4,
+         "change_microbatches": [[1, 4], [2, 3]]},
         # The adapter's fast response changes the split between steps: still exact.
         {"name": "resplit", "schedule": "zb-h1", "num_microbatches": 2, "steps": 4,
          "change_microbatches": [[1, 4], [2, 3], [3, 2]]},
@@ -190,6 +211,7 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
     )
     _assert_equal(_merged(tmp_path / "placed", world), _reference(3))
     _assert_equal(_merged(tmp_path / "plan", world), _reference(3))
+    _assert_equal(_merged(tmp_path / "compact", world), _reference(4))
     _assert_equal(_merged(tmp_path / "resplit", world), _reference(4))
     _assert_equal(_merged(tmp_path / "adapter", world), _reference(6))
     _assert_equal(_merged(tmp_path / "auto", world), _reference(3))

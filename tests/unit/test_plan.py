@@ -92,6 +92,21 @@ def test_format_table_lists_every_stage() -> None:
         ({"predicted_step_time_s": float("nan")}, "predicted_step_time_s"),
         ({"predicted_peak_memory_bytes": {9: 1}}, r"predicted_peak_memory_bytes\[9\]"),
         ({"stages": ()}, "stages: expected a non-empty list"),
+        ({"schedule": "compact"}, "a 'compact' plan needs one action string per stage"),
+        ({"stage_actions": ("0F0", "1F0")}, "only a 'compact' plan lists its actions"),
+        ({"schedule": "compact", "stage_actions": ("0F0 0B0 0W0",)}, "one action string per"),
+        (
+            {"schedule": "compact", "stage_actions": ("0F0 0X0", "1F0")},
+            r"stage_actions\[0\]: Cannot parse action",
+        ),
+        (
+            {"schedule": "compact", "stage_actions": ("0F0 1B0", "1F0")},
+            r"stage_actions\[0\]: expected compute actions .* of stage 0",
+        ),
+        (  # micro-batches 1..3 never run: not a schedule of 4 micro-batches
+            {"schedule": "compact", "stage_actions": ("0F0 0B0 0W0", "1F0 1B0 1W0")},
+            "stage_actions: not a valid schedule",
+        ),
     ],
 )
 def test_plan_validation(overrides: dict[str, Any], message: str) -> None:
@@ -140,3 +155,28 @@ def test_check_matches() -> None:
         plan.check_matches(8, 3, model_fingerprint="other")
     with pytest.raises(ValueError, match="hosts or ranks changed"):
         plan.check_matches(8, 3, cluster_fingerprint="other")
+
+
+def _compact_actions(m: int) -> tuple[str, ...]:
+    """A valid two-stage schedule that is none of the generated kinds (W deferred to the end)."""
+    first = [f"0F{i}" for i in range(m)] + [f"0B{i}" for i in range(m)]
+    last = [a for i in range(m) for a in (f"1F{i}", f"1B{i}")]
+    return (
+        " ".join(first + [f"0W{i}" for i in range(m)]),
+        " ".join(last + [f"1W{i}" for i in range(m)]),
+    )
+
+
+def test_compact_plan_carries_its_actions(tmp_path: Path) -> None:
+    from lightning_deepcee.schedule import format_actions, generate
+
+    plan = _plan(schedule="compact", stage_actions=_compact_actions(4))
+    path = tmp_path / "compact.json"
+    plan.to_json(path)
+    assert Plan.from_json(path) == plan
+    own = plan.stage_schedule()
+    assert tuple(format_actions(own[s]) for s in range(2)) == _compact_actions(4)
+    # Another micro-batch count (the adapter re-splitting): ZB-H1, not the fitted actions.
+    assert plan.stage_schedule(3) == generate("zb-h1", 2, 3)
+    assert _plan().stage_schedule() == generate("zb-h1", 2, 4)
+    assert "stage_actions" not in _plan().to_dict()
