@@ -5,9 +5,9 @@
 
 For every system and run it starts the lab (``deepcee-lab run`` as a subprocess, so the lab's own
 setup and teardown apply), runs this same file in ``worker`` mode on every emulated device, and
-parses the ``BENCH {...}`` JSON line that rank 0 prints. Every system trains the same GPT (same
-initial weights), on the same Shakespeare windows, with the same *global* batch per optimizer
-step:
+parses the ``BENCH {...}`` JSON line that rank 0 prints. Every system trains the same model
+(``--model gpt`` on Shakespeare windows or ``--model cnn`` on seeded synthetic images; same
+initial weights), on the same data, with the same *global* batch per optimizer step:
 
 - ``deepcee``: ``DeepCEEStrategy()`` -- profile devices and links at setup, search a plan, run it.
 - ``deepcee-adapter``: the same plus the ``DynamicEnvironmentAdapter`` callback (adapter on; the
@@ -71,7 +71,12 @@ def _emit(global_batch: int, stamps: list[float], warmup: int, extra: dict[str, 
     print("BENCH " + json.dumps(record), flush=True)
 
 
-def _gpt_data(args: argparse.Namespace, batch_size: int):
+def _data(args: argparse.Namespace, batch_size: int):
+    """The benchmark's data module: Shakespeare windows (gpt) or seeded synthetic images (cnn)."""
+    if args.model == "cnn":
+        from lightning_deepcee.demo import SyntheticImageDataModule
+
+        return SyntheticImageDataModule(batch_size=batch_size, num_train=4096)
     from models import gpt_kwargs
 
     from lightning_deepcee.demo import ShakespeareDataModule
@@ -84,10 +89,9 @@ def _lightning_worker(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import DDPStrategy
-    from models import count_parameters, gpt_kwargs
+    from models import build_model, count_parameters
 
     from lightning_deepcee import DeepCEEStrategy
-    from lightning_deepcee.demo import GPT
 
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
@@ -135,7 +139,7 @@ def _lightning_worker(args: argparse.Namespace) -> None:
 
         callbacks.append(DynamicEnvironmentAdapter())
     pl.seed_everything(0)
-    model = GPT(**gpt_kwargs(args.size))
+    model = build_model(args.model, args.size)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -151,7 +155,7 @@ def _lightning_worker(args: argparse.Namespace) -> None:
         callbacks=callbacks,
         default_root_dir=str(REPO / "runs" / "bench"),
     )
-    trainer.fit(model, datamodule=_gpt_data(args, per_loader))
+    trainer.fit(model, datamodule=_data(args, per_loader))
     if rank == 0:
         print(f"[bench] rank 0 done ({args.system})", flush=True)
 
@@ -159,7 +163,7 @@ def _lightning_worker(args: argparse.Namespace) -> None:
 def _pipe_worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from models import count_parameters, gpt_blocks, gpt_kwargs, uniform_split
+    from models import build_model, count_parameters, model_blocks, model_loss, uniform_split
     from torch import nn
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import (
@@ -167,16 +171,13 @@ def _pipe_worker(args: argparse.Namespace) -> None:
         ScheduleGPipe,
         ScheduleInterleavedZeroBubble,
     )
-    from torch.nn import functional as F
-
-    from lightning_deepcee.demo import GPT
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = GPT(**gpt_kwargs(args.size))  # identical weights on every rank (seeded)
+    model = build_model(args.model, args.size)  # identical weights on every rank (seeded)
     n_params = count_parameters(model)
-    blocks = gpt_blocks(model)
+    blocks = model_blocks(model)
     per_rank = 2 if args.system == "pipe-zb" else 1
     num_stages = world * per_rank
     ranges = uniform_split(len(blocks), num_stages)
@@ -191,8 +192,7 @@ def _pipe_worker(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
     m = args.microbatches
 
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+    loss_fn = model_loss(args.model)
 
     if args.system == "pipe-gpipe":
         schedule: Any = ScheduleGPipe(stages[0], m, loss_fn=loss_fn)
@@ -204,7 +204,7 @@ def _pipe_worker(args: argparse.Namespace) -> None:
     last = (num_stages - 1) in my_stages
 
     # Same windows in the same order on every rank (seeded shuffle), whole global batch.
-    data = _gpt_data(args, args.global_batch)
+    data = _data(args, args.global_batch)
     data.setup("fit")
     gen = torch.Generator().manual_seed(0)
     loader = torch.utils.data.DataLoader(
@@ -250,6 +250,7 @@ def _pipe_worker(args: argparse.Namespace) -> None:
 def worker_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="lab_bench.py worker")
     p.add_argument("--system", required=True, choices=SYSTEMS)
+    p.add_argument("--model", default="gpt", choices=["gpt", "cnn"])
     p.add_argument("--size", default="tiny")
     p.add_argument("--global-batch", type=int, required=True)
     p.add_argument("--microbatches", type=int, default=8)
@@ -325,6 +326,7 @@ def run_one(args: argparse.Namespace, system: str, run: int, out: Path) -> dict[
         str(Path(__file__).resolve()),
         "worker",
         "--system", system,
+        "--model", args.model,
         "--size", args.size,
         "--global-batch", str(args.global_batch),
         "--microbatches", str(args.microbatches),
@@ -378,9 +380,15 @@ def report(result: dict[str, Any], results_dir: Path, name: str) -> str:
     systems: dict[str, Any] = result["systems"]
     order = [s for s in SYSTEMS if s in systems] + [s for s in systems if s not in SYSTEMS]
     base = _stats(systems.get("ddp", {}).get("runs", []))
+    model = cfg.get("model", "gpt")
+    sample = (
+        f"{cfg['gpt']['block_size']} tokens" if model == "gpt" else "32x32 RGB images (synthetic)"
+    )
+    topology = Path(cfg["topology"]).stem
     lines = [
-        f"Topology `{name}`, GPT `{cfg['size']}` ({cfg.get('parameters', '?'):,} parameters), "
-        f"global batch {cfg['global_batch']} x {cfg['block_size']} tokens, {cfg['steps']} steps, "
+        f"Topology `{topology}`, {model.upper()} `{cfg['size']}` "
+        f"({cfg.get('parameters', '?'):,} parameters), "
+        f"global batch {cfg['global_batch']} x {sample}, {cfg['steps']} steps, "
         f"window = last {cfg['steps'] - cfg['warmup']} steps, pipelining micro-batches "
         f"{cfg['microbatches']}.",
         "",
@@ -471,7 +479,8 @@ def _plot(result: dict[str, Any], order: list[str], path: Path, name: str) -> No
     ax.set_xticks(list(x), labels, rotation=20)
     ax.set_ylabel("samples/s (median, min-max)")
     cfg = result["config"]
-    ax.set_title(f"{name}: GPT {cfg['size']}, global batch {cfg['global_batch']}")
+    model = cfg.get("model", "gpt").upper()
+    ax.set_title(f"{name}: {model} {cfg['size']}, global batch {cfg['global_batch']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -498,8 +507,11 @@ def parse_with_config(p: argparse.ArgumentParser, argv: list[str]) -> argparse.N
 def harness_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--topology", type=Path, help="lab topology YAML (required, or in --config)")
-    p.add_argument("--model", default="gpt", choices=["gpt"])
-    p.add_argument("--size", default="tiny", help="GPT preset of benchmarks/models.py")
+    p.add_argument("--model", default="gpt", choices=["gpt", "cnn"])
+    p.add_argument("--size", default="tiny", help="preset of benchmarks/models.py")
+    p.add_argument(
+        "--name", help="results file name (default: the topology's name): <results>/<name>.json"
+    )
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4, help="steps excluded from the window")
@@ -536,7 +548,7 @@ def harness_main(argv: list[str]) -> int:
     from lightning_deepcee.lab.topology import load_topology
 
     topo = load_topology(args.topology)
-    name = topo.name
+    name = args.name or topo.name
     args.results.mkdir(parents=True, exist_ok=True)
     path = args.results / f"{name}.json"
     result = {} if args.fresh else _load(path)
@@ -544,18 +556,17 @@ def harness_main(argv: list[str]) -> int:
         print(report(result, args.results, name))
         return 0
 
-    from models import count_parameters, gpt_kwargs
+    from models import MODELS, build_model, count_parameters
 
-    from lightning_deepcee.demo import GPT
-
-    kw = gpt_kwargs(args.size)
+    if args.size not in MODELS[args.model]:
+        sizes = sorted(MODELS[args.model])
+        p.error(f"unknown {args.model} size {args.size!r}; choose from {sizes}")
     config = dict(
         topology=str(args.topology),
         model=args.model,
         size=args.size,
-        gpt=kw,
-        parameters=count_parameters(GPT(**kw)),
-        block_size=kw["block_size"],
+        **{args.model: MODELS[args.model][args.size]},
+        parameters=count_parameters(build_model(args.model, args.size)),
         global_batch=args.global_batch,
         microbatches=args.microbatches,
         steps=args.steps,
@@ -564,8 +575,10 @@ def harness_main(argv: list[str]) -> int:
         devices=[dict(name=d.name, region=d.region, cpu=d.cpu) for d in topo.devices],
         wan=[dict(regions=list(w.regions), mbit=w.mbit) for w in topo.wan],
     )
-    if (result and result.get("config", {}).get("size") != args.size) or (
-        result and result["config"].get("global_batch") != args.global_batch
+    if (
+        (result and result.get("config", {}).get("size") != args.size)
+        or (result and result["config"].get("model", "gpt") != args.model)
+        or (result and result["config"].get("global_batch") != args.global_batch)
     ):
         print("[bench] earlier results used another model size/batch: starting fresh")
         result = {}

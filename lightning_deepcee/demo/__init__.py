@@ -4,12 +4,16 @@ They are ordinary LightningModules that also train with DDP; the only addition D
 ``configure_pipeline``.
 """
 
+from lightning_deepcee.demo.cnn import ConvNet, SyntheticImageDataModule, synthetic_images
 from lightning_deepcee.demo.gpt import GPT, GPTConfig
 from lightning_deepcee.demo.text import ShakespeareDataModule, load_shakespeare
 
 __all__ = [
     "GPT",
+    "ConvNet",
     "GPTConfig",
     "ShakespeareDataModule",
+    "SyntheticImageDataModule",
     "load_shakespeare",
+    "synthetic_images",
 ]
