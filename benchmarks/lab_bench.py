@@ -73,7 +73,7 @@ def _emit(global_batch: int, stamps: list[float], warmup: int, extra: dict[str, 
 
 def _data(args: argparse.Namespace, batch_size: int):
     """The benchmark's data module: Shakespeare windows (gpt) or seeded synthetic images (cnn)."""
-    if args.model == "cnn":
+    if getattr(args, "model", "gpt") == "cnn":
         from lightning_deepcee.demo import SyntheticImageDataModule
 
         return SyntheticImageDataModule(batch_size=batch_size, num_train=4096)

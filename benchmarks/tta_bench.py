@@ -47,7 +47,7 @@ def _write(log: Path, record: dict[str, Any]) -> None:
 
 def _lightning_worker(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
-    from lab_bench import _gpt_data
+    from lab_bench import _data
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import DDPStrategy
     from models import gpt_kwargs
@@ -106,13 +106,13 @@ def _lightning_worker(args: argparse.Namespace) -> None:
         callbacks=[TimeToAccuracy()],
         default_root_dir=str(REPO / "runs" / "tta"),
     )
-    trainer.fit(model, datamodule=_gpt_data(args, per_loader))
+    trainer.fit(model, datamodule=_data(args, per_loader))
 
 
 def _pipe_worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from lab_bench import _gpt_data
+    from lab_bench import _data
     from models import gpt_blocks, gpt_kwargs, uniform_split
     from torch import nn
     from torch.distributed.pipelining import PipelineStage
@@ -136,7 +136,7 @@ def _pipe_worker(args: argparse.Namespace) -> None:
 
     schedule = Schedule1F1B(stage, args.microbatches, loss_fn=loss_fn)
     first, last = rank == 0, rank == world - 1
-    data = _gpt_data(args, args.global_batch)
+    data = _data(args, args.global_batch)
     data.setup("fit")
     gen = torch.Generator().manual_seed(0)
     loader = torch.utils.data.DataLoader(

@@ -85,14 +85,14 @@ _EXACT_PARTITIONS = 64
 _REFINED_ORDERS = 2
 """How many of the beam's final orders get boundary refinement and second-level splitting."""
 _REFINE_EVERY_SPLIT = 8
-# The compact schedule replaces the generated one only when predicted this much faster (its
-# actions are fitted to measured costs; a marginal gain is within their noise).
-_COMPACT_GAIN = 0.02
-# Micro-batch counts whose best generated schedule is this much slower than the winner are not
-# fitted (the compact schedule gains at most the bubble).
-_COMPACT_WINDOW = 1.5
 """Up to this many stages every trial split is refined before it is compared; beyond, trial
 splits are compared on the balanced partition and only the final structure is refined."""
+_COMPACT_GAIN = 0.02
+"""The compact schedule replaces the generated one only when predicted this much faster (its
+actions are fitted to measured costs; a marginal gain is within their noise)."""
+_COMPACT_WINDOW = 1.5
+"""Micro-batch counts whose best generated schedule is this much slower than the winner are not
+fitted (the compact schedule gains at most the bubble)."""
 
 Structure = tuple[tuple[int, ...], ...]
 """Devices of each stage, in pipeline order."""
@@ -464,7 +464,7 @@ def baseline_plans(
     profile: ClusterProfile,
     *,
     global_batch_size: int,
-    schedules: Sequence[str] = ("1f1b", "zb-h1", "compact"),
+    schedules: Sequence[str] = ("1f1b", "zb-h1"),
     microbatch_candidates: Sequence[int] = (1, 2, 4, 8, 16),
     max_iter: int = 20,
     memory_check: bool = True,
