@@ -110,7 +110,8 @@ def test_gloo_mixed_gpu_cpu_executor_matches_reference(tmp_path: Path) -> None:
     from test_executor import assert_grads_match_reference
 
     # Ranks 0 and 2 on the GPU, 1 and 3 on the CPU: stage 0 is shared by a GPU and a CPU
-    # (unequal row shares, gradients summed over gloo), then CPU -> GPU -> CPU transfers.
+    # (unequal row shares, gradients summed over gloo), stage 1 is a CPU (rank 3), stage 2 a
+    # GPU (rank 2): transfers GPU/CPU -> CPU -> GPU and back.
     layouts = [StageLayout((0, 1), (0.6, 0.4)), StageLayout((3,), (1.0,)),
                StageLayout((2,), (1.0,))]  # fmt: skip
     init = f"file://{tmp_path / 'store'}"
