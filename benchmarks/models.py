@@ -21,7 +21,6 @@ __all__ = [
     "MODELS",
     "build_model",
     "count_parameters",
-    "gpt_blocks",
     "gpt_kwargs",
     "model_blocks",
     "model_loss",
@@ -81,11 +80,6 @@ def gpt_kwargs(size: str) -> dict[str, Any]:
     if size not in GPT_PRESETS:
         raise ValueError(f"unknown GPT size {size!r}; choose one of {sorted(GPT_PRESETS)}")
     return dict(vocab_size=96, dropout=0.0, learning_rate=3e-3, seed=0, **GPT_PRESETS[size])
-
-
-def gpt_blocks(model: nn.Module) -> list[nn.Module]:
-    """The ordered blocks of the demo GPT (what ``configure_pipeline`` hands DeepCEE)."""
-    return [model.embed, *model.blocks, model.head]
 
 
 def uniform_split(num_blocks: int, num_stages: int) -> list[tuple[int, int]]:

@@ -113,19 +113,17 @@ def _pipe_worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from lab_bench import _data
-    from models import gpt_blocks, gpt_kwargs, uniform_split
+    from models import build_model, model_blocks, uniform_split
     from torch import nn
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import Schedule1F1B
     from torch.nn import functional as F
 
-    from lightning_deepcee.demo import GPT
-
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = GPT(**gpt_kwargs(args.size))
-    blocks = gpt_blocks(model)
+    model = build_model("gpt", args.size)
+    blocks = model_blocks(model)
     ranges = uniform_split(len(blocks), world)
     start, end = ranges[rank]
     stage = PipelineStage(nn.Sequential(*blocks[start:end]), rank, world, torch.device("cpu"))

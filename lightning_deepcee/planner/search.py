@@ -677,12 +677,13 @@ def _fit_compact(context: _Context, scored: _Scored) -> _Scored | None:
         return None
     best: _Scored | None = None
     for m in context.microbatch_counts:
-        generated = None
-        for kind in context.schedules:
-            cand = context.evaluate(scored.structure, scored.ranges, kind, m)
-            if cand is not None and (generated is None or cand.step_time_s < generated.step_time_s):
-                generated = cand
-        if generated is None or generated.step_time_s > _COMPACT_WINDOW * scored.step_time_s:
+        structure, ranges = scored.structure, scored.ranges
+        evaluated = (context.evaluate(structure, ranges, k, m) for k in context.schedules)
+        fitting = [c for c in evaluated if c is not None]
+        if not fitting:
+            continue
+        generated = min(fitting, key=lambda c: c.step_time_s)
+        if generated.step_time_s > _COMPACT_WINDOW * scored.step_time_s:
             continue  # far behind at this count: fitting will not close the gap
         costs = _stage_costs(context.arrays, generated.stages, context.global_batch_size / m)
         # Most micro-batches in flight first (covers the slowest hops), then ZB-H1's, 1F1B's.

@@ -105,6 +105,13 @@ class P2PTransport:
     group: dist.ProcessGroup | None = None
     _pending: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
     records: list[TransferRecord] = field(default_factory=list)
+    _wire: torch.device | None = field(default=None, init=False, repr=False)
+
+    def _wire_device(self) -> torch.device:
+        """:func:`wire_device` of this transport, looked up once (the group's backend is fixed)."""
+        if self._wire is None:
+            self._wire = wire_device(self.device, self.group)
+        return self._wire
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Start sending ``tensor`` to global rank ``dst``; returns before it is delivered."""
@@ -113,7 +120,7 @@ class P2PTransport:
         if tensor.dim() > MAX_DIMS:
             raise ValueError(f"Cannot send a tensor with {tensor.dim()} > {MAX_DIMS} dimensions.")
         start = time.perf_counter()
-        wire = wire_device(tensor.device, self.group)
+        wire = self._wire_device()
         payload = tensor.detach().to(wire).contiguous()
         header = torch.zeros(2 + MAX_DIMS, dtype=torch.int64)
         header[0] = _DTYPE_CODE[payload.dtype]
@@ -133,7 +140,7 @@ class P2PTransport:
     def recv(self, src: int) -> torch.Tensor:
         """Block until the next tensor from global rank ``src`` has arrived and return it."""
         start = time.perf_counter()
-        wire = wire_device(self.device, self.group)
+        wire = self._wire_device()
         header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=wire)
         try:
             dist.recv(header, src, group=self.group)
@@ -155,7 +162,7 @@ class P2PTransport:
                 src, buf.numel() * buf.element_size(), done - start, "recv", done - arrived
             )
         )
-        return buf.to(self.device, non_blocking=False)
+        return buf.to(self.device)
 
     def wait_sends(self) -> float:
         """Wait for every outstanding send; returns the seconds spent waiting."""
