@@ -113,11 +113,34 @@ def _lightning_worker(args: argparse.Namespace) -> None:
     class BenchTimer(Callback):
         def __init__(self) -> None:
             self.stamps: list[float] = []
+            self.rank_steps: list[dict[str, float]] = []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.stamps.append(time.perf_counter())
+            stats = getattr(trainer.strategy, "last_step_stats", None)
+            if stats is not None:  # this rank's executor time by action kind, for the cost model
+                step = {**stats.seconds_by_kind, "executor_wall": stats.wall_s}
+                for r in trainer.strategy.transfer_records:  # received bytes and wire time per peer
+                    if r.direction == "recv":
+                        step[f"recv_bytes_from{r.peer}"] = (
+                            step.get(f"recv_bytes_from{r.peer}", 0) + r.num_bytes
+                        )
+                        step[f"recv_wire_s_from{r.peer}"] = step.get(
+                            f"recv_wire_s_from{r.peer}", 0
+                        ) + (r.wire_s or 0.0)
+                        step[f"recv_msgs_from{r.peer}"] = step.get(f"recv_msgs_from{r.peer}", 0) + 1
+                self.rank_steps.append(step)
 
         def on_train_end(self, trainer, pl_module) -> None:
+            rank_stats = None
+            if isinstance(trainer.strategy, DeepCEEStrategy):
+                import torch.distributed as dist
+
+                window = self.rank_steps[args.warmup :] or self.rank_steps
+                kinds = sorted({k for step in window for k in step})
+                mine = {k: statistics.median(s.get(k, 0.0) for s in window) for k in kinds}
+                rank_stats = [None] * world
+                dist.all_gather_object(rank_stats, mine)
             if trainer.is_global_zero:
                 extra: dict[str, Any] = dict(system=args.system, world_size=world)
                 extra["parameters"] = count_parameters(pl_module)
@@ -131,6 +154,12 @@ def _lightning_worker(args: argparse.Namespace) -> None:
                     if st.plan is not None:  # cost-model error: predicted vs measured step
                         extra["predicted_step_s"] = st.plan.predicted_step_time_s
                         extra["shares"] = [list(stage.batch_shares) for stage in st.plan.stages]
+                        extra["plan"] = st.plan.to_dict()
+                    if st.cluster_profile is not None:
+                        extra["profile"] = st.cluster_profile.to_dict()
+                    # Median seconds per step by action kind on every rank (after warm-up):
+                    # where the measured step goes, against the cost model's per-stage costs.
+                    extra["rank_stats"] = rank_stats
                 _emit(g, self.stamps, args.warmup, extra)
 
     callbacks: list[Callback] = [BenchTimer()]

@@ -174,6 +174,37 @@ class Topology:
         kind, a, b = self.resolve_link(endpoints)
         return self.wan_link(a, b).mbit if kind == "wan" else self.region(b).lan_mbit
 
+    def region_path(self, a: str, b: str) -> tuple[WanLink, ...]:
+        """The WAN links crossed from region ``a`` to region ``b`` (the region graph is a tree)."""
+        self.region(a), self.region(b)
+        previous: dict[str, tuple[str, WanLink] | None] = {a: None}
+        frontier = [a]
+        while frontier and b not in previous:
+            here = frontier.pop()
+            for link in self.wan:
+                if here in link.regions:
+                    there = link.regions[1] if link.regions[0] == here else link.regions[0]
+                    if there not in previous:
+                        previous[there] = (here, link)
+                        frontier.append(there)
+        path: list[WanLink] = []
+        node = b
+        while (step := previous[node]) is not None:
+            node, link = step
+            path.append(link)
+        return tuple(reversed(path))
+
+    def path_mbit(self, src: str, dst: str) -> float:
+        """Configured bottleneck between two devices: both LAN links and every WAN link between.
+
+        What an ideal bandwidth probe from ``src`` to ``dst`` would read (htb shapes every hop
+        at its rate, so the slowest hop sets the rate).
+        """
+        a, b = self.device(src), self.device(dst)
+        rates = [self.region(a.region).lan_mbit, self.region(b.region).lan_mbit]
+        rates += [link.mbit for link in self.region_path(a.region, b.region)]
+        return min(rates)
+
     def resolve_link(self, endpoints: Sequence[str], where: str = "link") -> tuple[str, str, str]:
         """``("wan", region_a, region_b)`` or ``("lan", device, region)``; ValueError otherwise."""
         if len(endpoints) != 2 or not all(isinstance(e, str) for e in endpoints):

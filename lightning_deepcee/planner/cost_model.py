@@ -23,6 +23,11 @@ and a list of :class:`~lightning_deepcee.planner.plan.StagePlan` into per-stage 
   (it sends or receives them one after another), and the hop takes the maximum over devices of
   that sum. With one device per stage this is exactly ``ClusterProfile.transfer_time_s``; with
   several it is conservative, since concurrent messages on distinct links are not overlapped.
+  Messages between two *network groups* (:func:`~lightning_deepcee.profiler.group_by_network`)
+  share the WAN link between them: their bytes together take at least ``bytes / capacity``,
+  where the capacity is the fastest pair measured between the two groups (each pair is
+  measured alone, so that pair saw the whole WAN link). Two cloud devices sending halves of a
+  micro-batch to two edge devices take as long as one device sending all of it.
 - **Pipeline.** The schedule is generated, lowered with one simulated rank per stage, validated
   and simulated (:mod:`lightning_deepcee.schedule.simulate`); the simulator overlaps transfers
   with compute exactly as far as the schedule order allows.
@@ -52,6 +57,7 @@ import numpy.typing as npt
 
 from lightning_deepcee.planner.plan import StagePlan
 from lightning_deepcee.profiler.data import ClusterProfile
+from lightning_deepcee.profiler.grouping import group_by_network
 from lightning_deepcee.schedule.actions import ActionKind
 from lightning_deepcee.schedule.generators import SCHEDULE_KINDS, StageSchedule, generate
 from lightning_deepcee.schedule.lowering import RankSchedule, lower
@@ -190,6 +196,24 @@ class _Arrays:
         self.memory = np.array([d.memory_bytes for d in profile.devices], dtype=np.float64)
         self.group_links: dict[tuple[int, ...], tuple[float, float]] = {}
         """Slowest bandwidth and largest latency inside a group, by its ranks."""
+        groups = group_by_network(self.bandwidth)
+        self.network_group = np.zeros(len(ref), dtype=np.intp)
+        """First-level network group of each rank (:func:`group_by_network`, default config)."""
+        for index, members in enumerate(groups):
+            self.network_group[list(members)] = index
+        count = len(groups)
+        self.group_capacity = np.full((count, count), np.inf)
+        """Bytes/s that all traffic from group ``a`` to group ``b`` shares (``a != b``): the
+        fastest pair between them, i.e. the WAN link every such pair crosses."""
+        if count > 1:
+            src = np.repeat(self.network_group, len(ref))
+            dst = np.tile(self.network_group, len(ref))
+            flat = self.bandwidth.ravel()
+            cross = (src != dst) & np.isfinite(flat)
+            capacity = np.zeros(count * count)
+            np.maximum.at(capacity, src[cross] * count + dst[cross], flat[cross])
+            capacity[capacity == 0] = np.inf
+            self.group_capacity = capacity.reshape(count, count)
 
     def parameter_bytes(self, block_range: tuple[int, int]) -> float:
         return float(self.parameter_prefix[block_range[1]] - self.parameter_prefix[block_range[0]])
@@ -283,7 +307,17 @@ def _transfer(
     seconds = arrays.latency[src, dst] + fraction * num_bytes / arrays.bandwidth[src, dst]
     per_sender = np.bincount(i, weights=seconds, minlength=len(ranks))
     per_receiver = np.bincount(j, weights=seconds, minlength=len(receiver.ranks))
-    return float(max(per_sender.max(), per_receiver.max()))
+    slowest = float(max(per_sender.max(), per_receiver.max()))
+    group_src, group_dst = arrays.network_group[src], arrays.network_group[dst]
+    cross = group_src != group_dst
+    if cross.sum() > 1:
+        # Concurrent messages between the same two network groups share one WAN link.
+        count = len(arrays.group_capacity)
+        key = group_src[cross] * count + group_dst[cross]
+        shared = np.bincount(key, weights=fraction[cross] * num_bytes, minlength=count * count)
+        shared_s = shared / arrays.group_capacity.ravel()
+        slowest = max(slowest, float(shared_s.max() + arrays.latency[src, dst][cross].max()))
+    return slowest
 
 
 def allreduce_time_s(profile: ClusterProfile, ranks: Sequence[int], num_bytes: float) -> float:

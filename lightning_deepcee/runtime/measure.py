@@ -23,8 +23,13 @@ initiator sends a ``small_bytes`` ping and gets a ``small_bytes`` pong (latency 
 then sends a large ping and gets a ``small_bytes`` pong (the large size is chosen per link by a
 warm-up round: about 0.2 s of transfer, at most ``large_bytes``). The two round trips differ only
 by the extra bytes going one way, so ``bandwidth = (large - small) / (rtt_large - rtt_small)``;
-echoing the large message back would average both directions. Medians over ``repeats`` reject
-noise.
+echoing the large message back would average both directions. Noise only ever adds time (a
+process throttled by its CPU quota, a round trip that waited for a scheduler slot, another pair's
+traffic on the shared cores), so each round trip keeps its *minimum* over ``repeats``: the
+fastest repeat is the one that saw the link alone, as in ping's and BBR's min-RTT filters. A
+median keeps a stalled small round trip as often as a stalled large one, and a stall on the small
+one makes the difference, and so the bandwidth, too high (29 Mbit/s read on a 20 Mbit/s link of
+the lab).
 
 Time limits (a slow or dead device must never hang setup silently):
 
@@ -45,7 +50,6 @@ from __future__ import annotations
 import math
 import os
 import socket
-import statistics
 import tempfile
 import time
 import warnings
@@ -69,6 +73,7 @@ from lightning_deepcee.profiler.data import (
     fingerprint_cluster,
     load_cached_profile,
 )
+from lightning_deepcee.profiler.grouping import group_by_network
 from lightning_deepcee.runtime.transport import wire_device
 
 __all__ = [
@@ -100,8 +105,10 @@ _PROBE_BYTES = 256 * 2**10
 """The warm-up round sends at most this much; its time sizes the measured messages."""
 _TARGET_S = 0.2
 """Measured large messages are sized to take about this long on the link (between the probe
-size and ``large_bytes``): a 4 MiB message takes 1.7 s on a 20 Mbit/s WAN link, and the
-measurement sends eight of them per pair."""
+size and ``large_bytes``): a fixed 4 MiB message would take 1.7 s on a 20 Mbit/s WAN link, and
+the measurement sends ``2 * repeats`` of them per pair. Shorter is faster but reads high: on
+the lab, 0.1 s messages let the shaper's burst through (24-28 Mbit/s read on 20 Mbit/s links,
+13 of 168 pairs off by more than 20%; 0 of 56 at 0.2 s)."""
 
 
 class ProfilingTimeoutError(RuntimeError):
@@ -118,12 +125,11 @@ class BlockTimings:
     """What :func:`measure_blocks` measured; lists are per block, in block order."""
 
     forward_s: tuple[float, ...]
-    """Median seconds of each block's forward (the last block's includes ``loss_fn``)."""
+    """Seconds of each block's forward (the last block's includes ``loss_fn``)."""
     backward_input_s: tuple[float, ...]
-    """Median seconds of each block's input gradient (``B``); 0 when its input needs none."""
+    """Seconds of each block's input gradient (``B``); 0 when its input needs none."""
     backward_weight_s: tuple[float, ...]
-    """Median seconds of each block's weight gradient (``W``); the whole backward when ``B`` is
-    0."""
+    """Seconds of each block's weight gradient (``W``); the whole backward when ``B`` is 0."""
     activation_bytes: tuple[int, ...]
     """Bytes of each block's output per sample (rounded up)."""
     parameter_bytes: tuple[int, ...]
@@ -132,13 +138,14 @@ class BlockTimings:
     """Samples in the measured micro-batch (``sample_input.shape[0]``)."""
     fixed_s: tuple[float, ...] = ()
     """Per block, the part of its F+B+W seconds that does not shrink with the micro-batch: the
-    intercept of the line through the timings at ``microbatch_size`` and at a quarter of it (two
-    samples at least). Empty when the micro-batch is too small for a second size."""
+    intercept of the line through the totals at ``microbatch_size`` and at a quarter of it (two
+    samples at least), shared out by each block's time at the small size. Empty when the
+    micro-batch is too small for a second size."""
     sustained_factor: float = 1.0
     """Sustained over burst: wall time of back-to-back passes over all blocks divided by the sum
-    of the per-block medians (at least 1). Above 1 when the device cannot keep its burst speed,
-    e.g. a CPU quota (cgroup ``cpu.max``) that throttles after a few milliseconds of work; every
-    ``*_s`` figure above is already multiplied by it."""
+    of the per-block burst times (at least 1). Above 1 when the device cannot keep its burst
+    speed, e.g. a CPU quota (cgroup ``cpu.max``) that throttles after a few milliseconds of work.
+    Every ``*_s`` figure above is already multiplied by it."""
 
     @property
     def num_blocks(self) -> int:
@@ -159,27 +166,34 @@ def measure_blocks(
     """Time forward, ``B`` and ``W`` of each block on one micro-batch, on ``sample_input.device``.
 
     Block ``i`` gets the output of block ``i-1`` (block 0 gets ``sample_input``). Each block runs
-    ``warmup`` untimed then ``repeats`` timed iterations; the median is kept. Backward starts
-    from a random gradient of the block output's shape, except for the last block when
-    ``loss_fn`` is given: then its forward includes ``loss_fn(output, sample_batch)`` and its
-    backward starts from that loss, as in the last pipeline stage.
+    ``warmup`` untimed then ``repeats`` timed iterations; the fastest is kept (the burst speed,
+    see below). Backward starts from a random gradient of the block output's shape, except for
+    the last block when ``loss_fn`` is given: then its forward includes
+    ``loss_fn(output, sample_batch)`` and its backward starts from that loss, as in the last
+    pipeline stage.
 
     A block whose input needs no gradient has ``B = 0`` and ``W`` = its whole backward. That is
     always block 0 (the data, token ids or features, never needs a gradient; the executor runs
     the first stage's backward whole) and any block fed a non-floating-point tensor.
 
-    Two corrections make the figures predict a training step rather than a micro-benchmark:
+    Two more figures make the times predict a training step rather than a micro-benchmark:
 
     - **Fixed cost.** With two or more samples, every block is timed again on a quarter of the
       micro-batch (rows sliced from ``sample_input`` and from every tensor of ``sample_batch``
-      with the same leading size); the line through the two points gives each block's
-      ``fixed_s``, the cost a smaller micro-batch cannot shrink. (Two samples at least, for
-      BatchNorm's sake; micro-batches of one or two samples get no ``fixed_s``.)
-    - **Sustained speed.** Medians of millisecond-long calls miss throttling that only bites
-      after a while (a cgroup CPU quota allows a burst, then stalls the process until the next
-      period). Full passes over all blocks run back to back for ``sustain_s`` seconds; if they
-      take longer than the medians add up to, every figure is scaled up by that factor
-      (``sustained_factor``). ``sustain_s=0`` skips this.
+      with the same leading size). The line through the two *totals* over all blocks gives the
+      per-call cost a smaller micro-batch cannot shrink, shared out as ``fixed_s`` in proportion
+      to each block's time at the small size (one fit over the sum: per-block lines through two
+      noisy points often cross zero, and then small micro-batches look free). Two samples at
+      least, for BatchNorm's sake; micro-batches of one or two samples get no ``fixed_s``.
+    - **Sustained speed.** The fastest calls miss throttling that only bites after a while (a
+      cgroup CPU quota allows a burst, then stalls the process until the next period). Full
+      passes over all blocks run back to back for ``sustain_s`` seconds (two at least); if they
+      take longer than the burst times add up to, every figure is scaled up by that factor
+      (``sustained_factor``): the fastest calls give each block's share, the sustained passes
+      the device's speed. ``sustain_s=0`` skips this. (Charging only the sustained *work* and
+      running each action at burst speed was tried on the lab and predicted steps half as long
+      as measured: a device under its quota on average still stalls whenever a burst of
+      actions spends the period's budget, and those stalls sit on the pipeline's critical path.)
 
     Side-effect free: parameters are not updated, each parameter's ``.grad`` is restored (to
     ``None`` if it was unset), buffers (BatchNorm statistics) are restored and the global RNG
@@ -192,15 +206,14 @@ def measure_blocks(
     size = len(sample_input)
     with _RestoredState(blocks), torch.random.fork_rng(devices=rng_devices):
         inputs = _block_inputs(blocks, sample_input)
-        medians = _block_medians(blocks, inputs, loss_fn, sample_batch, repeats, warmup)
-        fixed: list[float] = []
+        fastest = _block_fastest(blocks, inputs, loss_fn, sample_batch, repeats, warmup)
         small = max(2, size // 4)
-        small_medians = None
+        small_fastest = None
         if small < size:
             small_batch = _slice_rows(sample_batch, size, small)
             small_inputs = [value[:small] for value in inputs]
             try:
-                small_medians = _block_medians(
+                small_fastest = _block_fastest(
                     blocks, small_inputs, loss_fn, small_batch, repeats, warmup
                 )
             except (RuntimeError, ValueError) as exc:  # a model that only takes its batch size
@@ -209,13 +222,11 @@ def measure_blocks(
                     f"micro-batch ({exc}); fixed per-call costs are not measured (taken as 0)",
                     stacklevel=2,
                 )
-        if small_medians is not None:
-            for big_fbw, small_fbw in zip(medians, small_medians, strict=True):
-                big_t, small_t = sum(big_fbw), sum(small_fbw)
-                slope = max(0.0, (big_t - small_t) / (size - small))
-                fixed.append(min(big_t, max(0.0, big_t - slope * size)))
+        fixed = []
+        if small_fastest is not None:
+            fixed = _fixed_costs(_totals(fastest), _totals(small_fastest), size, small)
         factor = 1.0
-        burst = sum(sum(fbw) for fbw in medians)
+        burst = sum(_totals(fastest))
         if sustain_s > 0 and burst > 0:
             passes, start = 0, time.perf_counter()
             while passes < 2 or time.perf_counter() - start < sustain_s:
@@ -228,9 +239,9 @@ def measure_blocks(
             math.ceil(output.numel() * output.element_size() / size) for output in inputs[1:]
         ]
     return BlockTimings(
-        forward_s=tuple(f * factor for f, _, _ in medians),
-        backward_input_s=tuple(b * factor for _, b, _ in medians),
-        backward_weight_s=tuple(w * factor for _, _, w in medians),
+        forward_s=tuple(f * factor for f, _, _ in fastest),
+        backward_input_s=tuple(b * factor for _, b, _ in fastest),
+        backward_weight_s=tuple(w * factor for _, _, w in fastest),
         activation_bytes=tuple(activation),
         parameter_bytes=tuple(_parameter_bytes(block) for block in blocks),
         microbatch_size=size,
@@ -239,7 +250,26 @@ def measure_blocks(
     )
 
 
-def _block_medians(
+def _totals(times: Sequence[tuple[float, float, float]]) -> list[float]:
+    return [sum(fbw) for fbw in times]
+
+
+def _fixed_costs(big: Sequence[float], small: Sequence[float], size: int, rows: int) -> list[float]:
+    """Each block's per-call cost from its F+B+W at ``size`` and at ``rows`` samples.
+
+    The intercept of the line through the two *sums* over all blocks (one fit: per-block lines
+    through two noisy points often cross zero) is shared out in proportion to each block's time at
+    ``rows`` samples, and capped at the block's own time.
+    """
+    big_sum, small_sum = sum(big), sum(small)
+    slope = max(0.0, (big_sum - small_sum) / (size - rows))
+    intercept = min(big_sum, max(0.0, big_sum - slope * size))
+    if small_sum <= 0:
+        return [0.0] * len(big)
+    return [min(b, intercept * s / small_sum) for b, s in zip(big, small, strict=True)]
+
+
+def _block_fastest(
     blocks: Sequence[nn.Module],
     inputs: Sequence[torch.Tensor],
     loss_fn: LossFn | None,
@@ -247,22 +277,28 @@ def _block_medians(
     repeats: int,
     warmup: int,
 ) -> list[tuple[float, float, float]]:
-    """Median (F, B, W) seconds of each block on its input in ``inputs``."""
-    medians = []
+    """Fastest (F, B, W) seconds of each block on its input in ``inputs`` (over ``repeats``).
+
+    The fastest call is the one that ran unthrottled: a CPU quota stalls whichever calls run
+    after the period's budget is spent (5 ms or 90 ms for the same block on the lab's end
+    devices), and a median of five consecutive calls lands on either. Sustained speed is
+    measured separately (``sustained_factor``).
+    """
+    fastest = []
     for index, block in enumerate(blocks):
         step_loss = loss_fn if index == len(blocks) - 1 else None
         times = [
             _time_block(block, inputs[index], index == 0, step_loss, sample_batch)
             for _ in range(warmup + repeats)
         ][warmup:]
-        medians.append(
+        fastest.append(
             (
-                statistics.median(t[0] for t in times),
-                statistics.median(t[1] for t in times),
-                statistics.median(t[2] for t in times),
+                min(t[0] for t in times),
+                min(t[1] for t in times),
+                min(t[2] for t in times),
             )
         )
-    return medians
+    return fastest
 
 
 def _slice_rows(batch: Any, size: int, rows: int) -> Any:
@@ -481,7 +517,9 @@ class NetworkMeasurement:
     bandwidth_bytes_per_s: tuple[tuple[float, ...], ...]
     """Bytes per second from ``src`` to ``dst``; ``inf`` on the diagonal."""
     num_rounds: int
-    """Rounds of disjoint pairs used: ``N - 1`` for even ``N``, ``N`` for odd ``N``."""
+    """Rounds of pairs used: the probe rounds (``N - 1`` for even ``N``, ``N`` for odd ``N``),
+    then the measured rounds: those rounds' pairs inside network groups, and one round per pair
+    across groups."""
     elapsed_s: float
     """Wall seconds this rank spent in :func:`measure_network`."""
 
@@ -611,10 +649,68 @@ def _measure_network(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if hosts is not None and len(hosts) != world:
         raise ValueError(f"hosts: expected {world} names (one per rank), got {len(hosts)}")
+    rounds = round_robin_rounds(world)
+    # Phase 1: one sizing probe each way for every pair, in rounds of disjoint pairs.
+    _, probe_bandwidth = _run_rounds(
+        [(pairs, "probe") for pairs in rounds],
+        rank=rank, group=group, device=device, op_timeout_s=op_timeout_s, hosts=hosts,
+        small_bytes=small_bytes, large_bytes=large_bytes, repeats=0, sizes=None,
+        budget_s=budget_s, start=start, first_round=0, total_rounds=None,
+    )  # fmt: skip
+    # Phase 2: the measured figures. Pairs inside a network group run concurrently (a switch
+    # carries disjoint pairs at full rate); pairs across groups run one at a time, because they
+    # may share one WAN link (two cloud devices talking to two edge devices at once each see
+    # half of it: 34.7 Mbit/s was read on a 100 Mbit/s link that three pairs crossed together).
+    members = group_by_network(probe_bandwidth.cpu().numpy())
+    group_of = {r: g for g, ranks in enumerate(members) for r in ranks}
+    inside = [[p for p in pairs if group_of[p[0]] == group_of[p[1]]] for pairs in rounds]
+    across = [[p] for pairs in rounds for p in pairs if group_of[p[0]] != group_of[p[1]]]
+    schedule = [(pairs, "inside groups") for pairs in inside if pairs]
+    schedule += [(pairs, "across groups") for pairs in across]
+    sizes = (probe_bandwidth * _TARGET_S).clamp(min=small_bytes + 1, max=large_bytes)
+    latency, bandwidth = _run_rounds(
+        schedule,
+        rank=rank, group=group, device=device, op_timeout_s=op_timeout_s, hosts=hosts,
+        small_bytes=small_bytes, large_bytes=large_bytes, repeats=repeats,
+        sizes=sizes.cpu().long().tolist(), budget_s=budget_s, start=start,
+        first_round=len(rounds), total_rounds=len(rounds) + len(schedule),
+    )  # fmt: skip
+    bandwidth.fill_diagonal_(math.inf)
+    return NetworkMeasurement(
+        latency_s=tuple(tuple(row) for row in latency.cpu().tolist()),
+        bandwidth_bytes_per_s=tuple(tuple(row) for row in bandwidth.cpu().tolist()),
+        num_rounds=len(rounds) + len(schedule),
+        elapsed_s=time.perf_counter() - start,
+    )
+
+
+def _run_rounds(
+    schedule: Sequence[tuple[Sequence[tuple[int, int]], str]],
+    *,
+    rank: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    op_timeout_s: float | None,
+    hosts: Sequence[str] | None,
+    small_bytes: int,
+    large_bytes: int,
+    repeats: int,
+    sizes: Sequence[Sequence[int]] | None,
+    budget_s: float,
+    start: float,
+    first_round: int,
+    total_rounds: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Measure each round's disjoint pairs concurrently; every rank returns the full matrices.
+
+    ``sizes[i][j]`` is the large message from ``i`` to ``j``; ``None`` sizes it with a probe
+    (and with ``repeats=0`` the probe is the measurement: the phase-1 figures).
+    """
+    world = dist.get_world_size(group)
     latency = torch.zeros(world, world, dtype=torch.float64, device=device)
     bandwidth = torch.zeros(world, world, dtype=torch.float64, device=device)
-    rounds = round_robin_rounds(world)
-    for round_index, pairs in enumerate(rounds):
+    total = total_rounds if total_rounds is not None else first_round + len(schedule)
+    for index, (pairs, phase) in enumerate(schedule):
         stopped: tuple[int, int] | None = None
         for low, high in pairs:
             if rank not in (low, high):
@@ -630,51 +726,65 @@ def _measure_network(
                 hosts=hosts,
                 deadline=start + budget_s,
             )
-            result = _measure_pair(context, low, high, small_bytes, large_bytes, repeats)
+            size = None if sizes is None else (sizes[low][high], sizes[high][low])
+            result = _measure_pair(context, low, high, small_bytes, large_bytes, repeats, size)
             if result is None:
                 stopped = (low, high)
             else:
                 latency[rank, peer], bandwidth[rank, peer] = result
-        _raise_if_any_stopped(stopped, group, device, hosts, budget_s, start, round_index, rounds)
+        where = f"round {first_round + index + 1} of {total} ({phase})"
+        _raise_if_any_stopped(stopped, group, device, hosts, budget_s, start, where)
     dist.all_reduce(latency, group=group)
     dist.all_reduce(bandwidth, group=group)
-    bandwidth.fill_diagonal_(math.inf)
-    return NetworkMeasurement(
-        latency_s=tuple(tuple(row) for row in latency.cpu().tolist()),
-        bandwidth_bytes_per_s=tuple(tuple(row) for row in bandwidth.cpu().tolist()),
-        num_rounds=len(rounds),
-        elapsed_s=time.perf_counter() - start,
-    )
+    return latency, bandwidth
 
 
 def _measure_pair(
-    context: _PairContext, low: int, high: int, small_bytes: int, large_bytes: int, repeats: int
+    context: _PairContext,
+    low: int,
+    high: int,
+    small_bytes: int,
+    large_bytes: int,
+    repeats: int,
+    sizes: tuple[int, int] | None,
 ) -> tuple[float, float] | None:
     """Measure ``low -> high`` then ``high -> low``; return this rank's outgoing direction.
 
     Returns ``(latency_s, bandwidth_bytes_per_s)`` from this rank to its peer, or ``None`` when
     the budget ran out (both ranks of the pair agree, because the initiator says so in its ping).
+    ``sizes`` are the large messages ``low -> high`` and ``high -> low`` (``None``: probe first).
     """
     small = torch.zeros(small_bytes, dtype=torch.uint8, device=context.device)
     large = torch.zeros(large_bytes, dtype=torch.uint8, device=context.device)
+    iterations = repeats if sizes is not None else repeats + 1
     mine: tuple[float, float] | None = None
-    for initiator in (low, high):
+    for initiator, size in zip((low, high), sizes or (None, None), strict=True):
         if context.rank == initiator:
-            mine = _initiate(context, small, large, repeats)
+            mine = _initiate(context, small, large, iterations, size)
             if mine is None:
                 return None
-        elif not _respond(context, small, large, repeats):
+        elif not _respond(context, small, large, iterations):
             return None
     return mine
 
 
 def _initiate(
-    context: _PairContext, small: torch.Tensor, large: torch.Tensor, repeats: int
+    context: _PairContext,
+    small: torch.Tensor,
+    large: torch.Tensor,
+    iterations: int,
+    size: int | None,
 ) -> tuple[float, float] | None:
+    """``iterations`` ping-pairs; without ``size`` the first is a probe that sizes the rest.
+
+    With a single probe iteration the probe's own figures are returned (phase 1).
+    """
     small_rtt: list[float] = []
     large_rtt: list[float] = []
-    size = max(len(small) + 1, min(len(large), _PROBE_BYTES))
-    for iteration in range(repeats + 1):  # iteration 0 warms up connections and sizes messages
+    probe = size is None
+    if size is None:
+        size = max(len(small) + 1, min(len(large), _PROBE_BYTES))
+    for iteration in range(iterations):
         go = time.perf_counter() < context.deadline
         small[0] = _CONTINUE if go else _STOP
         small[1:_HEADER_BYTES] = torch.tensor([size], dtype=torch.int64).view(torch.uint8)
@@ -687,14 +797,17 @@ def _initiate(
         context.send(large[:size])
         context.recv(small)
         end = time.perf_counter()
-        if iteration > 0:
-            small_rtt.append(middle - begin)
-            large_rtt.append(end - middle)
-        else:
+        small_rtt.append(middle - begin)
+        large_rtt.append(end - middle)
+        if probe and iteration == 0:
+            if iterations == 1:
+                break  # the probe is the measurement
+            small_rtt.clear()
+            large_rtt.clear()
             # Size the measured messages to take about _TARGET_S on this link.
             rough = size / max(end - middle - (middle - begin), 1e-6)
             size = int(min(len(large), max(size, rough * _TARGET_S)))
-    small_s, large_s = statistics.median(small_rtt), statistics.median(large_rtt)
+    small_s, large_s = min(small_rtt), min(large_rtt)  # noise only adds time: see the docstring
     extra_bytes = size - len(small)
     # The extra bytes took (large_s - small_s); noise on a very fast link can make that <= 0, so
     # fall back to the lower bound "the whole large message fit in its round trip".
@@ -703,8 +816,10 @@ def _initiate(
     return small_s / 2, bandwidth
 
 
-def _respond(context: _PairContext, small: torch.Tensor, large: torch.Tensor, repeats: int) -> bool:
-    for _ in range(repeats + 1):
+def _respond(
+    context: _PairContext, small: torch.Tensor, large: torch.Tensor, iterations: int
+) -> bool:
+    for _ in range(iterations):
         context.recv(small)
         if int(small[0]) == _STOP:
             return False
@@ -722,8 +837,7 @@ def _raise_if_any_stopped(
     hosts: Sequence[str] | None,
     budget_s: float,
     start: float,
-    round_index: int,
-    rounds: Sequence[Sequence[tuple[int, int]]],
+    where: str,
 ) -> None:
     """End of a round: every rank learns which pairs ran out of budget and raises alike."""
     world = dist.get_world_size(group)
@@ -742,9 +856,8 @@ def _raise_if_any_stopped(
     described = ", ".join(f"{name(a)} <-> {name(b)}" for a, b in pairs)
     raise ProfilingTimeoutError(
         f"network profiling ran past budget_s={budget_s:g} s after "
-        f"{time.perf_counter() - start:.3f} s, in round {round_index + 1} of {len(rounds)} while "
-        f"measuring {described}. A link this slow may be the problem; otherwise raise budget_s "
-        "or lower large_bytes / repeats."
+        f"{time.perf_counter() - start:.3f} s, in {where} while measuring {described}. A link "
+        "this slow may be the problem; otherwise raise budget_s or lower large_bytes / repeats."
     )
 
 

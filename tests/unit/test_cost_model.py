@@ -175,6 +175,32 @@ def test_transfer_splits_rows_between_group_members() -> None:
     assert transfer_time_s(profile, sender, skewed, 4000) == pytest.approx(3.0)
 
 
+def test_pairs_between_two_network_groups_share_the_wan_link() -> None:
+    # Two regions of two devices: 1e6 B/s LANs, one 1e3 B/s WAN link between them.
+    bw = np.full((4, 4), 1e6)
+    bw[np.ix_([0, 1], [2, 3])] = bw[np.ix_([2, 3], [0, 1])] = 1e3
+    profile = make_profile(speeds=[1.0] * 4, num_blocks=2, bandwidth=bw, latency=0.25)
+    sender = StagePlan(block_range=(0, 1), ranks=(0, 1), batch_shares=(0.5, 0.5))
+    receiver = StagePlan(block_range=(1, 2), ranks=(2, 3), batch_shares=(0.5, 0.5))
+    # Each pair alone would take 0.25 + 2000 / 1e3; together they push 4000 bytes through the WAN.
+    assert transfer_time_s(profile, sender, receiver, 4000) == pytest.approx(0.25 + 4.0)
+    assert transfer_time_s(profile, receiver, sender, 4000) == pytest.approx(0.25 + 4.0)
+    # One device per stage: unchanged (exactly the profile's link time).
+    one = StagePlan(block_range=(0, 1), ranks=(0,), batch_shares=(1.0,))
+    two = StagePlan(block_range=(1, 2), ranks=(3,), batch_shares=(1.0,))
+    alone = profile.transfer_time_s(0, 3, 4000)
+    assert transfer_time_s(profile, one, two, 4000) == pytest.approx(alone)
+    # Inside one region the switch carries the pairs side by side: no sharing.
+    lan_a = StagePlan(block_range=(0, 1), ranks=(0, 2), batch_shares=(0.5, 0.5))
+    lan_b = StagePlan(block_range=(1, 2), ranks=(1, 3), batch_shares=(0.5, 0.5))
+    assert transfer_time_s(profile, lan_a, lan_b, 4000) == pytest.approx(0.25 + 2000 / 1e6)
+    # The fastest pair between the groups sets the shared capacity: 2e3 B/s (device 1's pair
+    # alone then takes as long as the shared link).
+    bw[0, 2] = 2e3
+    faster = make_profile(speeds=[1.0] * 4, num_blocks=2, bandwidth=bw, latency=0.25)
+    assert transfer_time_s(faster, sender, receiver, 4000) == pytest.approx(0.25 + 2.0)
+
+
 def test_doubling_bandwidth_never_increases_predicted_time() -> None:
     rng = np.random.default_rng(0)
     for _ in range(5):

@@ -100,6 +100,23 @@ def test_missing_and_empty_fields() -> None:
         Topology.from_dict(_with("devices", []))
 
 
+def test_path_rate_is_the_slowest_hop() -> None:
+    topo = Topology.from_dict(BASE)
+    assert [link.mbit for link in topo.region_path("cloud", "end")] == [100, 20]
+    assert [link.mbit for link in topo.region_path("end", "cloud")] == [20, 100]
+    assert topo.region_path("edge", "edge") == ()
+    assert topo.path_mbit("cloud0", "edge0") == 100  # LANs 1000 and 500, WAN 100
+    assert topo.path_mbit("cloud0", "end0") == 20  # through the edge: 100 then 20
+    assert topo.path_mbit("end0", "cloud0") == 20
+    star = _with("wan", [{"regions": ["edge", "cloud"], "mbit": 400}])
+    star["wan"].append({"regions": ["edge", "end"], "mbit": 300})
+    topo = Topology.from_dict(star)
+    assert topo.path_mbit("end0", "cloud0") == 100  # the end LAN (100) is the slowest hop
+    assert topo.path_mbit("cloud0", "edge0") == 400
+    with pytest.raises(ValueError, match="unknown device"):
+        topo.path_mbit("cloud0", "nowhere")
+
+
 def test_shipped_topologies_meet_the_issue() -> None:
     cee6 = load_topology(CONFIGS / "cee6.yaml")
     by_region = {r.name: [d for d in cee6.devices if d.region == r.name] for r in cee6.regions}
