@@ -21,7 +21,8 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from typing_extensions import override
 
@@ -49,6 +51,7 @@ from lightning_deepcee.checkpoint import (
 )
 from lightning_deepcee.planner import (
     Plan,
+    StagePlan,
     balanced_partition,
     check_partition,
     partition_from_sizes,
@@ -216,6 +219,9 @@ class DeepCEEStrategy(DDPStrategy):
         self.last_step_tokens: int | None = None
         self._heartbeat: Heartbeat | None = None
         self._hosts: list[str] = []
+        self._block_names: list[str] = []
+        """Qualified name of every block in the unsplit module, so a re-plan can put back the
+        blocks that ``build_stage`` replaced by ``nn.Identity``."""
 
     # ----------------------------------------------------------------------------- layout
     @property
@@ -335,10 +341,11 @@ class DeepCEEStrategy(DDPStrategy):
     def _make_stage_groups(self) -> None:
         # Every rank creates every stage group, in the same order (new_group is collective).
         self._stage_group = None
-        for s, ranks in enumerate(self.placement):
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if s == self.stage_index:
-                self._stage_group = group
+        with _unbound_gloo_default_group():
+            for s, ranks in enumerate(self.placement):
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                if s == self.stage_index:
+                    self._stage_group = group
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -365,6 +372,8 @@ class DeepCEEStrategy(DDPStrategy):
             )
         self.ranges = self._resolve_partition(num_blocks)
         self._make_stage_groups()
+        qualified = {id(m): name for name, m in module.named_modules()}
+        self._block_names = [qualified[id(block)] for block in self.spec.blocks]
         self.stage = build_stage(module, self.spec, self.ranges, self.stage_index)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -497,6 +506,231 @@ class DeepCEEStrategy(DDPStrategy):
         if num_microbatches != self.num_microbatches:
             self.num_microbatches = num_microbatches
             self._build_executors()
+
+    # ------------------------------------------------------------------------ re-planning
+    def current_plan(self) -> Plan:
+        """The running layout as a :class:`Plan` (what a re-plan is compared with).
+
+        A plan run returns its plan. A manual layout with one pipeline replica becomes a plan of
+        one device per stage, its schedule and the micro-batch count in force, sized to the last
+        step's batch, with no predictions; a manual layout with several replicas has no plan
+        form (its replicas read different data) and raises ``ValueError``.
+        """
+        if self.plan is not None:
+            return self.plan
+        self._check_single_replica("current_plan")
+        assert self.spec is not None
+        stages = tuple(
+            StagePlan(block_range=r, ranks=tuple(ranks), batch_shares=(1.0,))
+            for r, ranks in zip(self.ranges, self.placement, strict=True)
+        )
+        batch = max(self.last_step_samples, self._global_batch_size, self.num_microbatches)
+        return Plan(
+            stages=stages,
+            schedule=self.schedule_kind,
+            num_microbatches=self.num_microbatches,
+            global_batch_size=batch,
+            predicted_step_time_s=0.0,
+            predicted_bubble_ratio=0.0,
+            predicted_peak_memory_bytes={},
+            model_fingerprint=model_fingerprint(list(self.spec.blocks)),
+            cluster_fingerprint=(
+                self.cluster_profile.cluster_fingerprint if self.cluster_profile else ""
+            ),
+            notes="manual layout",
+        )
+
+    def _check_single_replica(self, what: str) -> None:
+        if self.num_replicas != 1:
+            raise ValueError(
+                f"DeepCEEStrategy.{what}: this run has {self.num_replicas} data-parallel pipeline "
+                "replicas (manual num_stages/placement), each reading its own shard of the data, "
+                "and the sampler cannot change mid-epoch; a plan feeds every rank the whole batch "
+                "and splits rows inside a stage. Start from a plan (DeepCEEStrategy() or "
+                "plan='plan.json') or a manual layout with one replica to re-plan during training."
+            )
+
+    def check_plan(self, plan: Plan) -> None:
+        """Raise unless ``plan`` can replace the running layout (the checks of :meth:`apply_plan`).
+
+        The same checks as a saved plan at setup (``Plan.check_matches``: every block, every rank
+        of the world once, the model's fingerprint and, when profiled, the cluster's), plus: the
+        strategy is set up, and the run has one pipeline replica. Local and deterministic: every
+        rank raises alike, before any collective.
+        """
+        if not isinstance(plan, Plan):
+            raise TypeError(
+                f"DeepCEEStrategy.apply_plan expects a lightning_deepcee.Plan, got "
+                f"{type(plan).__name__} (Plan.from_dict / Plan.from_json build one)."
+            )
+        if self.spec is None or self.stage is None or self.lightning_module is None:
+            raise RuntimeError(
+                "DeepCEEStrategy.apply_plan runs on a set-up strategy, between training steps "
+                "(from a callback's on_train_batch_end or on_train_start)."
+            )
+        self._check_single_replica("apply_plan")
+        cluster = self.cluster_profile.cluster_fingerprint if self.cluster_profile else None
+        try:
+            plan.check_matches(
+                len(self.spec.blocks),
+                self.world_size,
+                model_fingerprint(list(self.spec.blocks)),
+                cluster,
+            )
+        except ValueError as exc:
+            raise ValueError(
+                f"DeepCEEStrategy.apply_plan: the new plan cannot replace the running layout. {exc}"
+            ) from None
+
+    def apply_plan(self, plan: Plan, trainer: pl.Trainer) -> None:
+        """Switch to ``plan`` between two steps: move blocks, with their optimizer state, live.
+
+        Every rank calls it together, at a step boundary (a callback's ``on_train_batch_end``,
+        after the optimizer and LR-scheduler step of that batch, or ``on_train_start``). What it
+        does:
+
+        1. :meth:`check_plan` (local, so a bad plan raises on every rank before anything moves);
+        2. the first device of every stage copies its stage's part of the training state to host
+           memory: weights, optimizer state, LR-scheduler state and the global name of each
+           optimizer parameter, exactly a checkpoint shard; ``all_gather_object`` gives every
+           rank every shard (the ranks must pass equal plans, or all raise here);
+        3. the blocks ``build_stage`` replaced by ``nn.Identity`` are put back, the module is
+           split again for the new ranges, the stage process groups are re-created (the old one
+           destroyed), blocks this rank no longer runs go back to host memory;
+        4. ``configure_optimizers`` runs again through Lightning, so the optimizers and
+           schedulers cover this rank's new parameters; ``strategy.optimizers`` (hence
+           ``_lightning_optimizers``, which the automatic-optimization loop reads at every step)
+           and ``lr_scheduler_configs`` are the new objects from the next step on;
+        5. this rank's part is rebuilt from the shards with the checkpoint code
+           (:func:`~lightning_deepcee.checkpoint.repartition`) and loaded: weights, optimizer
+           state (by parameter name, so Adam moments follow their block), scheduler state;
+        6. the executors are rebuilt for the plan's stages, shares, schedule and micro-batches.
+
+        Gradients stay exact: nothing changes inside a step, the moved state is bit-for-bit the
+        state the old owner would have used, and the next step computes the same whole-batch
+        gradient under any layout. Rank 0 logs the old and new layout.
+
+        Cost: the whole training state (weights plus optimizer state, 3x the weights with Adam)
+        passes through every rank once, pickled on the host: ``world_size`` times that many bytes
+        in all, held at once in each rank's host memory. That is seconds for the models this
+        strategy targets (up to some hundred MB of state on a LAN, longer over a WAN), and a
+        re-plan is rare (the adapter asks at most once per ``replan_after`` steps per link).
+        Sending only the blocks that change owner, point to point, would move less; it is not
+        done here. The gather blocks every rank, so it must finish within ``timeout_s``.
+        """
+        self.check_plan(plan)
+        module, spec = self.lightning_module, self.spec
+        assert module is not None and spec is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        began = time.perf_counter()
+        before = self._layout_line()
+        shard = self._live_shard() if self._where()[1] == 0 else None
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (plan.to_dict(), self.stage_index, shard))
+        differing = [r for r, part in enumerate(gathered) if part[0] != gathered[0][0]]
+        if differing:
+            raise ValueError(
+                f"DeepCEEStrategy.apply_plan: ranks {differing} passed another plan than rank 0; "
+                "every rank must pass the same plan (broadcast it from rank 0). Nothing changed."
+            )
+        shards: list[dict[str, Any]] = [{} for _ in range(self.num_stages)]
+        for _, stage_index, part in gathered:
+            if part is not None:
+                shards[stage_index] = part
+        num_bytes = sum(_tensor_bytes(s) for s in shards)
+
+        self._restore_blocks()
+        self.plan = plan
+        self.schedule_kind = plan.schedule
+        self.num_microbatches = plan.num_microbatches
+        self._partition_arg = [(st.block_range[0], st.block_range[1]) for st in plan.stages]
+        self.ranges = self._resolve_partition(len(spec.blocks))
+        old_group = self._stage_group
+        self._make_stage_groups()
+        if old_group is not None:
+            # Every rank is past the gather, so no collective of the old group is in flight.
+            dist.destroy_process_group(old_group)
+        self.stage = build_stage(module, spec, self.ranges, self.stage_index)
+        self._park_other_blocks()
+        assert self.model is not None
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self.precision_plugin.norm_share = 1.0 / len(  # type: ignore[attr-defined]
+            self.placement[self.stage_index]
+        )
+        fresh = [opt.state_dict() for opt in self.optimizers]
+        local = repartition(
+            shards,
+            list(module.state_dict().keys()),
+            list(zip(fresh, self._optimizer_param_names(), strict=True)),
+        )
+        module.load_state_dict(local["state_dict"], strict=True)
+        for optimizer, state in zip(self.optimizers, local["optimizer_states"], strict=True):
+            optimizer.load_state_dict(state)
+        if fitting:
+            schedulers = self.lr_scheduler_configs
+            for config, state in zip(schedulers, local["lr_schedulers"], strict=True):
+                config.scheduler.load_state_dict(state)
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._pending_grads = None
+        self._build_executors()
+        rank_zero_info(
+            f"DeepCEE: re-planned at step {trainer.global_step}, moved the training state "
+            f"({num_bytes / 1e6:.2f} MB, gathered on every rank) in "
+            f"{time.perf_counter() - began:.2f} s:\n  before: {before}\n  after:  "
+            f"{self._layout_line()}"
+        )
+        if self.verbose:
+            rank_zero_info(self.describe())
+
+    def _layout_line(self) -> str:
+        """``[0, 3) on 0 | [3, 6) on 1,2 (0.50,0.50); 1f1b, 2 micro-batches`` for the logs."""
+        shares = [st.batch_shares for st in self.plan.stages] if self.plan is not None else None
+        parts = []
+        for s, ((a, b), ranks) in enumerate(zip(self.ranges, self.placement, strict=True)):
+            part = f"[{a}, {b}) on {','.join(str(r) for r in ranks)}"
+            if shares is not None and len(ranks) > 1:
+                part += " (" + ",".join(f"{x:.2f}" for x in shares[s]) + ")"
+            parts.append(part)
+        return " | ".join(parts) + f"; {self.schedule_kind}, {self.num_microbatches} micro-batches"
+
+    def _live_shard(self) -> dict[str, Any]:
+        """This stage's training state on the host, in the checkpoint's shard format."""
+        module = self.lightning_module
+        assert module is not None
+        shard = {
+            "state_dict": module.state_dict(),
+            "optimizer_states": [self.optimizer_state(opt) for opt in self.optimizers],
+            "lr_schedulers": [c.scheduler.state_dict() for c in self.lr_scheduler_configs],
+            "optimizer_param_names": self._optimizer_param_names(),
+        }
+        # Pickling a CUDA tensor would unpickle it on the receiver's GPU of the same index.
+        return apply_to_collection(shard, torch.Tensor, lambda t: t.detach().cpu())
+
+    def _restore_blocks(self) -> None:
+        """Put every original block back into the module (undo ``build_stage``)."""
+        module, spec = self.lightning_module, self.spec
+        assert module is not None and spec is not None
+        for name, block in zip(self._block_names, spec.blocks, strict=True):
+            parent_name, _, attr = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, attr, block)
+
+    def _park_other_blocks(self) -> None:
+        """Blocks this rank no longer runs keep their objects (a later re-plan puts them back
+        and overwrites their weights) but free the accelerator: host memory, no gradients."""
+        assert self.spec is not None
+        start, end = self.ranges[self.stage_index]
+        for index, block in enumerate(self.spec.blocks):
+            if start <= index < end:
+                continue
+            for p in block.parameters():
+                p.grad = None
+            if self.root_device.type != "cpu":
+                block.to("cpu")
 
     @property
     def transfer_records(self) -> list[TransferRecord]:
@@ -804,6 +1038,42 @@ def _is_communication_failure(exc: BaseException) -> bool:
 def _print_everywhere(message: str) -> None:
     """Print on every rank (a lost-device error is news on each of them), to stderr."""
     print(message, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _unbound_gloo_default_group() -> Iterator[None]:
+    """Create gloo subgroups as if the default group were bound to no device.
+
+    Lightning binds the default group to the rank's GPU (``device_id``) whatever the backend, and
+    torch's ``new_group`` then splits subgroups from it; a rank outside a new group calls
+    ``perform_nocolor_split``, which gloo does not have (``AttributeError`` on a GPU rank of a
+    mixed GPU/CPU cluster whose plan shares a stage between other ranks; seen with torch 2.11,
+    the same code in 2.13). Gloo creates subgroups without splitting, so the binding is lifted
+    while they are made. NCCL keeps its split.
+    """
+    default = dist.distributed_c10d._get_default_group()
+    bound = default.bound_device_id
+    if bound is None or dist.get_backend(default) != "gloo":
+        yield
+        return
+    default.bound_device_id = None
+    try:
+        yield
+    finally:
+        default.bound_device_id = bound
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of all tensors in a nested collection (for the re-plan log line)."""
+    total = 0
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    apply_to_collection(obj, torch.Tensor, count)
+    return total
 
 
 def _sum_gradients(params: Sequence[torch.nn.Parameter], group: Any) -> None:

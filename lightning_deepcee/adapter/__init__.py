@@ -1,7 +1,9 @@
 """The Dynamic Environment Adapter: the link monitor that decides split / merge / re-plan.
 
 ``monitor.py`` is pure (no torch, no Lightning); a thin Lightning Callback feeds it the executor's
-per-transfer timings each step and applies its decisions. See ``docs/adapter.md``.
+per-transfer timings each step and applies its decisions. ``replan.py`` (pure too) turns a
+``replan`` decision into an observed profile and a searched plan worth moving to, or not. See
+``docs/adapter.md``.
 """
 
 from __future__ import annotations
@@ -16,14 +18,28 @@ from lightning_deepcee.adapter.monitor import (
     MonitorConfig,
     observations_from_transfers,
 )
+from lightning_deepcee.adapter.replan import (
+    LinkFigure,
+    ReplanChoice,
+    choose_replan,
+    figure_from_decision,
+    link_figures,
+    observed_profile,
+)
 
 __all__ = [
     "Decision",
     "DecisionKind",
     "Link",
+    "LinkFigure",
     "LinkMonitor",
     "LinkObservation",
     "LinkState",
     "MonitorConfig",
+    "ReplanChoice",
+    "choose_replan",
+    "figure_from_decision",
+    "link_figures",
     "observations_from_transfers",
+    "observed_profile",
 ]

@@ -1,0 +1,250 @@
+"""The adapter's slow response as plain logic: the profile as the links behave now, and whether a
+new plan is worth moving blocks for.
+
+Pure (stdlib plus the pure core: profiler data, planner), tested in one process. The Lightning
+Callback (:class:`~lightning_deepcee.callbacks.DynamicEnvironmentAdapter`) gathers every rank's
+link figures, calls :func:`observed_profile` and :func:`choose_replan` on rank 0, broadcasts the
+:class:`ReplanChoice` and, when it says so, has the strategy move the blocks
+(``DeepCEEStrategy.apply_plan``).
+
+Roughly, on a ``replan`` decision:
+
+1. every watched link the monitor finds off its expectation (state ``degraded`` or
+   ``improved``) scales the profile's bandwidth of that link by ``measured / expected``
+   (:func:`observed_profile`);
+2. the current plan is re-predicted on that profile, a new plan is searched on it
+   (:func:`choose_replan`);
+3. the new plan is applied only if its predicted step time beats the re-predicted current one
+   by the margin ``gain``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_deepcee.adapter.monitor import Link, LinkState
+from lightning_deepcee.planner.cost_model import predict
+from lightning_deepcee.planner.plan import Plan
+from lightning_deepcee.planner.search import plan_search
+from lightning_deepcee.profiler.data import ClusterProfile
+
+__all__ = [
+    "LinkFigure",
+    "ReplanChoice",
+    "choose_replan",
+    "figure_from_decision",
+    "link_figures",
+    "observed_profile",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkFigure:
+    """What the monitor knows of one directed link when a re-plan is considered."""
+
+    link: Link
+    """``(src, dst)`` ranks."""
+    expected_bandwidth: float
+    """What the monitor judges the link against, bytes/s (the calibrated figure)."""
+    measured_bandwidth: float | None
+    """The window median, bytes/s; ``None`` before the link's first sample."""
+    state: LinkState
+    """``normal``, ``degraded`` or ``improved``."""
+
+    @property
+    def ratio(self) -> float | None:
+        """``measured / expected``, or ``None`` when there is no usable measurement."""
+        measured, expected = self.measured_bandwidth, self.expected_bandwidth
+        if measured is None or not (math.isfinite(measured) and measured > 0):
+            return None
+        if not (math.isfinite(expected) and expected > 0):
+            return None
+        return measured / expected
+
+
+def link_figures(monitor_state: Mapping[str, Any]) -> list[LinkFigure]:
+    """Every watched link of a :meth:`LinkMonitor.state_dict` (the public, JSON-ready view)."""
+    figures = []
+    for entry in monitor_state.get("links", []):
+        window = [float(v) for v in entry["window"]]
+        figures.append(
+            LinkFigure(
+                link=(int(entry["src"]), int(entry["dst"])),
+                expected_bandwidth=float(entry["expected_bandwidth"]),
+                measured_bandwidth=statistics.median(window) if window else None,
+                state=entry["state"],
+            )
+        )
+    return figures
+
+
+def figure_from_decision(decision: Mapping[str, Any]) -> LinkFigure:
+    """A ``replan`` decision's own figures (``Decision.to_dict()``) as a :class:`LinkFigure`."""
+    old, new = float(decision["old_bandwidth"]), float(decision["new_bandwidth"])
+    src, dst = decision["link"]
+    return LinkFigure(
+        link=(int(src), int(dst)),
+        expected_bandwidth=old,
+        measured_bandwidth=new,
+        state="degraded" if new < old else "improved",
+    )
+
+
+def observed_profile(
+    profile: ClusterProfile, figures: Iterable[LinkFigure]
+) -> tuple[ClusterProfile, dict[Link, tuple[float, float]]]:
+    """``profile`` with the bandwidth of every link that is off its expectation rescaled.
+
+    A link in state ``degraded`` or ``improved`` gets ``profile bandwidth * measured / expected``.
+    The ratio, not the measured figure itself, goes into the profile: the monitor's expectation
+    is calibrated on the running schedule's own transfers (wire time of its message sizes),
+    which is not on the same scale as the profiler's large-message measurement; the ratio keeps
+    the rescaled link comparable with every other link of the matrix, which the planner weighs
+    against it. When the expectation equals the profile's figure the two are the same.
+
+    The reverse direction of a rescaled link gets the same ratio unless it has its own
+    observation: a link watched in state ``normal`` keeps its figure, one off its expectation
+    gets its own ratio. A pipeline link carries activations one way and gradients the other, so
+    both directions are usually watched; when one is not (too few bytes, or no traffic in the
+    current plan), assuming the same change both ways is the better guess for a WAN link (a
+    congested or re-shaped path slows both directions; the lab's halved link measured 1.29 and
+    1.33 MB/s) and the conservative one for the planner, which would otherwise route the
+    gradients back over a link it believes unchanged. Later figures of one link override
+    earlier ones (put decisions last).
+
+    Returns the new profile and, per rescaled link, ``(old, new)`` bandwidth in bytes/s.
+    """
+    normal: set[Link] = set()
+    ratios: dict[Link, float] = {}
+    for figure in figures:
+        ratio = figure.ratio
+        if ratio is None:
+            continue
+        if figure.state == "normal":
+            normal.add(figure.link)
+            ratios.pop(figure.link, None)
+        else:
+            normal.discard(figure.link)
+            ratios[figure.link] = ratio
+    scaled = dict(ratios)
+    for (src, dst), ratio in ratios.items():
+        if (dst, src) not in ratios and (dst, src) not in normal:
+            scaled[(dst, src)] = ratio
+    n = profile.num_devices
+    matrix = [list(row) for row in profile.bandwidth_bytes_per_s]
+    changes: dict[Link, tuple[float, float]] = {}
+    for (src, dst), ratio in sorted(scaled.items()):
+        if not (0 <= src < n and 0 <= dst < n) or src == dst:
+            raise ValueError(
+                f"observed_profile: link {src}->{dst} is not a link of the profile's {n} devices"
+            )
+        old = matrix[src][dst]
+        matrix[src][dst] = old * ratio
+        changes[(src, dst)] = (old, matrix[src][dst])
+    updated = dataclasses.replace(
+        profile, bandwidth_bytes_per_s=tuple(tuple(row) for row in matrix)
+    )
+    return updated, changes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplanChoice:
+    """The outcome of :func:`choose_replan`; plain data, broadcast from rank 0 as a dict."""
+
+    apply: bool
+    """Whether to move to ``plan``."""
+    current_step_time_s: float
+    """The running plan's step time predicted on the observed profile."""
+    new_step_time_s: float | None
+    """The searched plan's predicted step time (``None`` if the search failed)."""
+    plan: Plan | None
+    """The searched plan (``None`` if the search failed)."""
+    reason: str
+    """One line saying why."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-safe dict."""
+        return {
+            "apply": self.apply,
+            "current_step_time_s": self.current_step_time_s,
+            "new_step_time_s": self.new_step_time_s,
+            "plan": None if self.plan is None else self.plan.to_dict(),
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ReplanChoice:
+        """Inverse of :meth:`to_dict`."""
+        plan, new_s = data.get("plan"), data["new_step_time_s"]
+        return cls(
+            apply=bool(data["apply"]),
+            current_step_time_s=float(data["current_step_time_s"]),
+            new_step_time_s=None if new_s is None else float(new_s),
+            plan=None if plan is None else Plan.from_dict(plan),
+            reason=str(data["reason"]),
+        )
+
+
+def _layout(plan: Plan) -> tuple[Any, ...]:
+    stages = tuple(
+        (s.block_range, s.ranks, tuple(round(x, 9) for x in s.batch_shares)) for s in plan.stages
+    )
+    return stages, plan.schedule, plan.num_microbatches, plan.stage_actions
+
+
+def choose_replan(
+    profile: ClusterProfile,
+    current: Plan,
+    *,
+    gain: float,
+    search: Callable[..., Plan] = plan_search,
+) -> ReplanChoice:
+    """Search a plan on ``profile`` and say whether it is worth moving to from ``current``.
+
+    ``current`` (the running plan) is re-predicted on ``profile`` with the same cost model the
+    search uses, so both figures are on one scale. The new plan is applied only if
+    ``new < current * (1 - gain)``: moving blocks costs a gather of the whole training state
+    and a re-calibration of the monitor, so a marginal predicted gain (within the cost model's
+    error) is not worth it. ``search(profile, num_blocks=..., global_batch_size=...)`` defaults
+    to :func:`~lightning_deepcee.planner.plan_search`; its ``ValueError`` (nothing fits) becomes
+    a choice not to apply.
+    """
+    if not (isinstance(gain, int | float) and not isinstance(gain, bool) and 0 <= gain < 1):
+        raise ValueError(f"choose_replan: gain must be in [0, 1), got {gain!r}")
+    current_s = predict(
+        profile,
+        current.stages,
+        current.schedule,
+        current.num_microbatches,
+        current.global_batch_size,
+        stage_schedule=current.stage_schedule() if current.schedule == "compact" else None,
+    ).step_time_s
+    try:
+        new = search(
+            profile, num_blocks=current.num_blocks, global_batch_size=current.global_batch_size
+        )
+    except ValueError as exc:
+        return ReplanChoice(
+            apply=False,
+            current_step_time_s=current_s,
+            new_step_time_s=None,
+            plan=None,
+            reason=f"the search found no plan ({exc})",
+        )
+    new_s = new.predicted_step_time_s
+    if _layout(new) == _layout(current):
+        apply, reason = False, "the search chose the running layout again"
+    elif new_s < current_s * (1 - gain):
+        apply = True
+        reason = f"predicted {1 - new_s / current_s:.0%} faster (needs {gain:.0%})"
+    else:
+        apply = False
+        reason = f"predicted gain {1 - new_s / current_s:.0%} is below the margin {gain:.0%}"
+    return ReplanChoice(
+        apply=apply, current_step_time_s=current_s, new_step_time_s=new_s, plan=new, reason=reason
+    )

@@ -1,0 +1,265 @@
+"""The slow response in one process: observed profile, the re-plan choice, the callback's routing
+and ``DeepCEEStrategy.check_plan`` (what ``apply_plan`` refuses before anything moves)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from torch import nn
+
+from lightning_deepcee import DeepCEEStrategy, DynamicEnvironmentAdapter, PipelineSpec
+from lightning_deepcee.adapter import (
+    LinkFigure,
+    LinkMonitor,
+    LinkObservation,
+    MonitorConfig,
+    ReplanChoice,
+    choose_replan,
+    figure_from_decision,
+    link_figures,
+    observed_profile,
+)
+from lightning_deepcee.planner import Plan, StagePlan, plan_search
+from lightning_deepcee.profiler import ClusterProfile, DeviceProfile
+from lightning_deepcee.runtime import build_stage, get_pipeline_spec
+from lightning_deepcee.runtime.measure import model_fingerprint
+
+
+def _profile(n: int = 3, bandwidth: float = 1e8) -> ClusterProfile:
+    seconds = (1e-2,) * 6
+    devices = tuple(
+        DeviceProfile(
+            rank=r, host=f"h{r}", kind="cpu", memory_bytes=2**34, forward_s=seconds,
+            backward_input_s=seconds, backward_weight_s=tuple(2 * t for t in seconds),
+            activation_bytes=(64,) * 6, parameter_bytes=(1088,) * 6, reference_microbatch_size=5,
+            capability=1.0,
+        )
+        for r in range(n)
+    )  # fmt: skip
+    return ClusterProfile(
+        devices=devices,
+        latency_s=[[0.0 if i == j else 1e-4 for j in range(n)] for i in range(n)],
+        bandwidth_bytes_per_s=[
+            [math.inf if i == j else bandwidth for j in range(n)] for i in range(n)
+        ],
+        num_blocks=6,
+        model_fingerprint="model",
+        cluster_fingerprint="cluster",
+    )  # fmt: skip
+
+
+def _figure(
+    link: tuple[int, int], expected: float, measured: float | None, state: Any
+) -> LinkFigure:
+    return LinkFigure(
+        link=link, expected_bandwidth=expected, measured_bandwidth=measured, state=state
+    )
+
+
+# --------------------------------------------------------------------------- observed profile
+
+
+def test_a_degraded_link_is_rescaled_both_ways_unless_the_reverse_is_observed() -> None:
+    profile = _profile()
+    # Calibrated at 2 MB/s, now 1 MB/s: half of the profile's figure, whatever its scale.
+    updated, changes = observed_profile(profile, [_figure((0, 1), 2e6, 1e6, "degraded")])
+    bw = updated.bandwidth_bytes_per_s
+    assert bw[0][1] == pytest.approx(5e7) and bw[1][0] == pytest.approx(5e7)  # reverse: assumed
+    assert changes == {(0, 1): (1e8, 5e7), (1, 0): (1e8, 5e7)}
+    untouched = [(i, j) for i in range(3) for j in range(3) if i != j and {i, j} != {0, 1}]
+    assert all(bw[i][j] == 1e8 for i, j in untouched)
+    assert profile.bandwidth_bytes_per_s[0][1] == 1e8  # the input is not modified
+
+    # The reverse watched and normal: it keeps its figure.
+    figures = [_figure((0, 1), 2e6, 1e6, "degraded"), _figure((1, 0), 2e6, 2.1e6, "normal")]
+    updated, changes = observed_profile(profile, figures)
+    assert updated.bandwidth_bytes_per_s[1][0] == 1e8 and set(changes) == {(0, 1)}
+
+    # The reverse off its expectation too: its own ratio.
+    figures = [_figure((0, 1), 2e6, 1e6, "degraded"), _figure((1, 0), 2e6, 5e5, "degraded")]
+    updated, _ = observed_profile(profile, figures)
+    assert updated.bandwidth_bytes_per_s[1][0] == pytest.approx(2.5e7)
+
+    # An improved link is rescaled up; a link without a measurement says nothing.
+    figures = [_figure((1, 2), 1e6, 3e6, "improved"), _figure((2, 0), 1e6, None, "degraded")]
+    updated, changes = observed_profile(profile, figures)
+    assert updated.bandwidth_bytes_per_s[1][2] == pytest.approx(3e8)
+    assert set(changes) == {(1, 2), (2, 1)}
+
+    with pytest.raises(ValueError, match="link 0->3 is not a link"):
+        observed_profile(profile, [_figure((0, 3), 1.0, 0.5, "degraded")])
+
+
+def test_link_figures_read_the_monitor_state_and_decisions() -> None:
+    monitor = LinkMonitor({(0, 1): 1e6, (1, 2): 1e6}, None, MonitorConfig(window=3, react_after=1))
+    for step in range(1, 4):
+        observations = [
+            LinkObservation(step, 0, 1, 1_000_000, 2.0),  # 0.5 MB/s: degraded
+            LinkObservation(step, 1, 2, 1_000_000, 1.0),  # as expected
+        ]
+        monitor.observe(step, observations)
+    figures = {f.link: f for f in link_figures(monitor.state_dict())}
+    assert figures[(0, 1)].state == "degraded" and figures[(0, 1)].ratio == pytest.approx(0.5)
+    assert figures[(1, 2)].state == "normal" and figures[(1, 2)].ratio == pytest.approx(1.0)
+    decision = {"link": [2, 0], "old_bandwidth": 4e6, "new_bandwidth": 1e6}
+    figure = figure_from_decision(decision)
+    assert figure.link == (2, 0) and figure.state == "degraded" and figure.ratio == 0.25
+
+
+# --------------------------------------------------------------------------- the choice
+
+
+def test_choose_replan_moves_only_for_a_clear_gain() -> None:
+    fast = _profile()
+    current = plan_search(fast, num_blocks=6, global_batch_size=10)
+    assert current.num_stages == 1  # data parallelism over the three devices
+    slow, _ = observed_profile(fast, [_figure((0, 1), 1e8, 1e4, "degraded")])
+
+    choice = choose_replan(slow, current, gain=0.1)
+    assert choice.apply and choice.plan is not None
+    assert choice.new_step_time_s is not None
+    assert choice.new_step_time_s < 0.9 * choice.current_step_time_s
+    assert choice.plan.stages != current.stages
+    assert ReplanChoice.from_dict(choice.to_dict()) == choice
+
+    # The same figures, a margin the gain does not reach: keep the layout.
+    kept = choose_replan(slow, current, gain=0.99)
+    assert not kept.apply and "below the margin 99%" in kept.reason
+
+    # The search picks the running layout again: nothing to move.
+    same = choose_replan(fast, current, gain=0.0, search=lambda *a, **k: current)
+    assert not same.apply and "running layout again" in same.reason
+
+    def infeasible(*args: Any, **kwargs: Any) -> Plan:
+        raise ValueError("no candidate fits in memory")
+
+    failed = choose_replan(slow, current, gain=0.1, search=infeasible)
+    assert not failed.apply and failed.plan is None and "no candidate fits" in failed.reason
+    assert ReplanChoice.from_dict(failed.to_dict()) == failed
+
+    with pytest.raises(ValueError, match="gain must be in"):
+        choose_replan(slow, current, gain=1.0)
+
+
+def test_replan_gain_is_checked() -> None:
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match="replan_gain"):
+            DynamicEnvironmentAdapter(replan_gain=bad)
+
+
+# --------------------------------------------------------------------------- the callback
+
+
+def _replan_decision() -> dict[str, Any]:
+    return dict(
+        step=30, link=[0, 1], kind="replan", old_bandwidth=2e6, new_bandwidth=1e6,
+        split_factor=1, reason="test", step_bytes=10**6, step_s=1.0,
+    )  # fmt: skip
+
+
+def test_a_replan_decision_reaches_the_slow_response() -> None:
+    strategy = DeepCEEStrategy(schedule="1f1b", num_microbatches=2)
+    trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=30)
+    adapter = DynamicEnvironmentAdapter()
+    adapter._base_microbatches = 2
+    calls: list[list[dict[str, Any]]] = []
+    adapter._replan = lambda trainer, strategy, replans: calls.append(replans)  # type: ignore[method-assign]
+    adapter._decide(trainer, strategy, [_replan_decision()])
+    assert len(calls) == 1 and calls[0][0]["kind"] == "replan"
+
+
+def test_a_replan_without_a_profile_is_logged_and_skipped() -> None:
+    strategy = DeepCEEStrategy(schedule="1f1b", num_microbatches=2)
+    assert strategy.cluster_profile is None
+    trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=30)
+    adapter = DynamicEnvironmentAdapter()
+    adapter._base_microbatches = 2
+    adapter._decide(trainer, strategy, [_replan_decision()])  # no collective on this path
+    skipped = adapter.decisions[-1]
+    assert skipped["kind"] == "replan-skipped" and "needs a cluster profile" in skipped["reason"]
+    assert strategy.num_microbatches == 2
+    # The state round-trips (resume) with the new fields.
+    restored = DynamicEnvironmentAdapter()
+    restored.load_state_dict(adapter.state_dict())
+    assert restored.decisions == adapter.decisions and restored._replanned is None
+
+
+# --------------------------------------------------------------------------- check_plan
+
+
+class _Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(6)])
+
+    def configure_pipeline(self) -> PipelineSpec:
+        return PipelineSpec(blocks=list(self.blocks), loss_fn=lambda out, batch: out.mean())
+
+
+def _set_up(strategy: DeepCEEStrategy, world_size: int) -> _Net:
+    """What setup leaves behind that check_plan reads, without processes."""
+    assert isinstance(strategy.cluster_environment, LightningEnvironment)
+    strategy.cluster_environment.set_world_size(world_size)
+    model = _Net()
+    strategy._lightning_module = model
+    strategy.spec = get_pipeline_spec(model)
+    strategy.ranges = [(0, 6)]
+    strategy.stage = build_stage(model, strategy.spec, strategy.ranges, 0)
+    return model
+
+
+def _dp_plan(ranks: tuple[int, ...], blocks: int = 6, fingerprint: str | None = None) -> Plan:
+    return Plan(
+        stages=(
+            StagePlan(
+                block_range=(0, blocks), ranks=ranks, batch_shares=(1 / len(ranks),) * len(ranks)
+            ),
+        ),
+        schedule="1f1b",
+        num_microbatches=1,
+        global_batch_size=10,
+        predicted_step_time_s=1.0,
+        predicted_bubble_ratio=0.0,
+        predicted_peak_memory_bytes={},
+        model_fingerprint=fingerprint or model_fingerprint(list(_Net().blocks)),
+        cluster_fingerprint="",
+    )
+
+
+def test_check_plan_refuses_a_plan_that_does_not_fit_before_anything_moves() -> None:
+    strategy = DeepCEEStrategy(
+        schedule="1f1b", num_microbatches=1, cluster_environment=LightningEnvironment()
+    )
+    with pytest.raises(RuntimeError, match="set-up strategy"):
+        strategy.check_plan(_dp_plan((0, 1, 2)))
+    _set_up(strategy, world_size=3)
+    strategy.check_plan(_dp_plan((0, 1, 2)))  # fits
+    with pytest.raises(ValueError, match="covers 5 blocks but the model has 6"):
+        strategy.check_plan(_dp_plan((0, 1, 2), blocks=5))
+    with pytest.raises(ValueError, match=r"uses ranks \[0, 1\] but the world has 3 ranks"):
+        strategy.check_plan(_dp_plan((0, 1)))
+    with pytest.raises(ValueError, match="model structure changed"):
+        strategy.check_plan(_dp_plan((0, 1, 2), fingerprint="another model"))
+    with pytest.raises(TypeError, match=r"expects a lightning_deepcee\.Plan"):
+        strategy.check_plan(_dp_plan((0, 1, 2)).to_dict())  # type: ignore[arg-type]
+
+
+def test_check_plan_refuses_a_run_with_several_replicas() -> None:
+    # One stage on three processes: three data-parallel replicas, each reading its own shard.
+    environment = LightningEnvironment()
+    strategy = DeepCEEStrategy(
+        schedule="1f1b", num_microbatches=1, num_stages=1, cluster_environment=environment
+    )
+    _set_up(strategy, world_size=3)
+    assert strategy.num_replicas == 3
+    with pytest.raises(ValueError, match="3 data-parallel pipeline replicas"):
+        strategy.check_plan(_dp_plan((0, 1, 2)))
+    with pytest.raises(ValueError, match="3 data-parallel pipeline replicas"):
+        strategy.current_plan()
