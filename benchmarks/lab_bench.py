@@ -102,9 +102,13 @@ def _lightning_worker(args: argparse.Namespace) -> None:
         strategy: Any = DDPStrategy(process_group_backend="gloo")
         per_loader = g // world
     elif args.system in ("deepcee", "deepcee-adapter"):
-        # Automatic profile + plan. Only the profiling time budget is raised (default 60 s):
-        # measuring cee6's links on 2 shared cores took longer than that.
-        strategy = DeepCEEStrategy(profile_budget_s=args.profile_budget_s)
+        # Automatic profile + plan (or --plan: a saved plan, no profiling or search). Only the
+        # profiling time budget is raised (default 60 s).
+        strategy = DeepCEEStrategy(
+            plan=args.plan,
+            profile_budget_s=args.profile_budget_s,
+            receive_ahead=args.receive_ahead == "on",
+        )
         per_loader = g  # one pipeline replica: every rank reads the whole global batch
     else:
         strategy = DeepCEEStrategy(schedule="1f1b", num_microbatches=args.microbatches)
@@ -120,6 +124,7 @@ def _lightning_worker(args: argparse.Namespace) -> None:
             stats = getattr(trainer.strategy, "last_step_stats", None)
             if stats is not None:  # this rank's executor time by action kind, for the cost model
                 step = {**stats.seconds_by_kind, "executor_wall": stats.wall_s}
+                step["timeline"] = [(a, round(t0, 6), round(t1, 6)) for a, t0, t1 in stats.timeline]
                 for r in trainer.strategy.transfer_records:  # received bytes and wire time per peer
                     if r.direction == "recv":
                         step[f"recv_bytes_from{r.peer}"] = (
@@ -137,8 +142,9 @@ def _lightning_worker(args: argparse.Namespace) -> None:
                 import torch.distributed as dist
 
                 window = self.rank_steps[args.warmup :] or self.rank_steps
-                kinds = sorted({k for step in window for k in step})
+                kinds = sorted({k for step in window for k in step if k != "timeline"})
                 mine = {k: statistics.median(s.get(k, 0.0) for s in window) for k in kinds}
+                mine["last_timeline"] = window[-1].get("timeline", []) if window else []
                 rank_stats = [None] * world
                 dist.all_gather_object(rank_stats, mine)
             if trainer.is_global_zero:
@@ -287,6 +293,8 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--warmup", type=int, required=True)
     p.add_argument("--max-chars", type=int, default=400_000)
     p.add_argument("--profile-budget-s", type=float, default=300.0)
+    p.add_argument("--plan", default=None)
+    p.add_argument("--receive-ahead", default="on", choices=["on", "off"])
     args = p.parse_args(argv)
     if args.system in LIGHTNING_SYSTEMS:
         _lightning_worker(args)
@@ -363,6 +371,8 @@ def run_one(args: argparse.Namespace, system: str, run: int, out: Path) -> dict[
         "--warmup", str(args.warmup),
         "--max-chars", str(args.max_chars),
         "--profile-budget-s", str(args.profile_budget_s),
+        "--receive-ahead", args.receive_ahead,
+        *(["--plan", str(Path(args.plan).resolve())] if args.plan else []),
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "lightning_deepcee.lab.cli", "run"]
     cmd += ["--topology", str(args.topology), "--out", str(out), "--quiet"]
@@ -563,6 +573,15 @@ def harness_main(argv: list[str]) -> int:
         type=float,
         default=300.0,
         help="DeepCEEStrategy(profile_budget_s=...) for the deepcee system",
+    )
+    p.add_argument(
+        "--plan", default=None, help="deepcee systems: run this saved plan (no profiling/search)"
+    )
+    p.add_argument(
+        "--receive-ahead",
+        default="on",
+        choices=["on", "off"],
+        help="deepcee systems: DeepCEEStrategy(receive_ahead=...) (the A/B of the transport)",
     )
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--fresh", action="store_true", help="discard earlier results of this topology")

@@ -130,6 +130,11 @@ class DeepCEEStrategy(DDPStrategy):
             3 s look at the heartbeats), with a ``DeviceLostError`` naming the lost rank, its
             stage and host (Lightning's default timeout is 30 minutes).
         verbose: print the partition and schedule on rank 0 at setup.
+        receive_ahead: on gloo, post the step's receives from threads as soon as it starts, so
+            transfers can overlap the receiver's compute (gloo moves a message only once its
+            receive is posted); by default each receive is posted when the schedule reaches
+            it. Results are identical either way; no speed-up was measurable on the CPU lab
+            (docs/architecture.md).
     """
 
     strategy_name = "deepcee"
@@ -147,6 +152,7 @@ class DeepCEEStrategy(DDPStrategy):
         profile_budget_s: float = 60.0,
         timeout_s: float = 60.0,
         verbose: bool = True,
+        receive_ahead: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -205,6 +211,7 @@ class DeepCEEStrategy(DDPStrategy):
         self.cluster_profile: ClusterProfile | None = None
         self.device_groups: DeviceGroups | None = None
         self.verbose = verbose
+        self.receive_ahead = receive_ahead
         self.ranges: list[tuple[int, int]] = []
         self.spec: PipelineSpec | None = None
         self.stage: Stage | None = None
@@ -470,7 +477,7 @@ class DeepCEEStrategy(DDPStrategy):
         placement = {s: s for s in range(self.num_stages)}
         common: dict[str, Any] = dict(
             stage=self.stage,
-            transport=P2PTransport(self.root_device),
+            transport=P2PTransport(self.root_device, prefetch=self.receive_ahead),
             router=Router(self._layouts(), self.stage_index, self.global_rank),
             loss_fn=self.spec.loss_fn,
             input_fn=self.spec.input_fn,

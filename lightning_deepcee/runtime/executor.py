@@ -50,6 +50,10 @@ class StepStats:
 
     seconds_by_kind: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     wall_s: float = 0.0
+    timeline: list[tuple[str, float, float]] = field(default_factory=list)
+    """Every action run, as ``(action, start, end)`` in ``time.perf_counter()`` seconds (the
+    monotonic clock, shared by the processes of one host): the measured counterpart of the
+    simulator's timeline."""
 
     @property
     def compute_s(self) -> float:
@@ -127,6 +131,7 @@ class PipelineExecutor:
         stats = StepStats()
         start = time.perf_counter()
         self.transport.records.clear()
+        self.transport.expect(self._sources(states))
         loss: torch.Tensor | None = None
         for pos, action in enumerate(self.actions):
             st = states[action.microbatch]
@@ -142,13 +147,29 @@ class PipelineExecutor:
                     f"(position {pos}) failed: {type(exc).__name__}: {exc}\n"
                     f"{render({self.rank: self.actions}, mark=(self.rank, pos))}"
                 ) from exc
-            stats.seconds_by_kind[action.kind.value] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            stats.seconds_by_kind[action.kind.value] += t1 - t0
+            stats.timeline.append((str(action), t0, t1))
             if out is not None:
                 loss = out if loss is None else loss + out
         stats.seconds_by_kind["WAIT_SENDS"] += self.transport.wait_sends()
+        self.transport.join()
         stats.wall_s = time.perf_counter() - start
         self.last_stats = stats
         return loss
+
+    def _sources(self, states: Sequence[_MicroBatchState]) -> list[int]:
+        """The sender of every message this step receives, in the order it receives them."""
+        sources = []
+        for action in self.actions:
+            st = states[action.microbatch]
+            if st.num_rows == 0:
+                continue
+            if action.kind == K.RECV_F:
+                sources += [p.peer for p in self.router.prev_pieces(st.full_rows)]
+            elif action.kind == K.RECV_B:
+                sources += [p.peer for p in self.router.next_pieces(st.full_rows)]
+        return sources
 
     def _state(self, microbatch: Any, total_rows: int) -> _MicroBatchState:
         rows = batch_size_of(microbatch)

@@ -62,7 +62,14 @@ def _body(net: _Net, x: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(
-    rank: int, world: int, kind: str, m: int, init: str, out: str, layouts: list[StageLayout]
+    rank: int,
+    world: int,
+    kind: str,
+    m: int,
+    init: str,
+    out: str,
+    layouts: list[StageLayout],
+    prefetch: bool = False,
 ) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     net = _Net()
@@ -77,7 +84,7 @@ def _worker(
     ex = PipelineExecutor(
         stage=stage,
         actions=lowered[stage_index],
-        transport=P2PTransport(torch.device("cpu")),
+        transport=P2PTransport(torch.device("cpu"), prefetch=prefetch),
         router=Router(layouts, stage_index, rank),
         loss_fn=spec.loss_fn,
         input_fn=spec.input_fn,
@@ -85,10 +92,12 @@ def _worker(
     )
     transport = ex.transport
     ex.run(split_batch(_data(), split_sizes(11, m)), 11)
-    # Every receive is timed twice: blocked (waiting for the sender too) and on the wire.
+    # Every receive is timed twice: blocked and on the wire. Received ahead (gloo), the wire
+    # time may exceed the blocked time: the payload arrived while this rank computed.
     for record in transport.records:
         if record.direction == "recv":
-            assert record.wire_s is not None and 0 <= record.wire_s <= record.seconds, record
+            assert record.wire_s is not None and record.wire_s >= 0, record
+            assert record.seconds >= 0, record
         else:
             assert record.wire_s is None, record
     # Devices sharing a stage sum their gradients (what the strategy's stage group does).
@@ -124,10 +133,12 @@ def test_executor_gradients_match_reference(tmp_path: Path, world: int, kind: st
     assert_grads_match_reference(tmp_path, world, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
-def test_asymmetric_data_parallel_stages_match_reference(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize(("kind", "prefetch"), [("1f1b", False), ("zb-h1", True)])
+def test_asymmetric_data_parallel_stages_match_reference(
+    tmp_path: Path, kind: str, prefetch: bool
+) -> None:
     """Stages shared by devices with unequal row shares (some micro-batches leave a device with
-    no rows) still give the single-process gradient."""
+    no rows) still give the single-process gradient, with receives posted ahead or not."""
     layouts = [
         StageLayout((0, 1), (0.7, 0.3)),
         StageLayout((2,), (1.0,)),
@@ -135,5 +146,6 @@ def test_asymmetric_data_parallel_stages_match_reference(tmp_path: Path, kind: s
     ]
     world, m = 5, 4  # micro-batches of 3, 3, 3, 2 rows: 0.2 * 2 rounds to 0 rows on rank 3
     init = f"file://{tmp_path / 'store'}"
-    mp.spawn(_worker, args=(world, kind, m, init, str(tmp_path), layouts), nprocs=world, join=True)
+    args = (world, kind, m, init, str(tmp_path), layouts, prefetch)
+    mp.spawn(_worker, args=args, nprocs=world, join=True)
     assert_grads_match_reference(tmp_path, len(layouts), rtol=1e-5, atol=1e-6)
