@@ -187,6 +187,15 @@ class DynamicEnvironmentAdapter(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = _deepcee(trainer)
+        if strategy.receive_ahead:
+            # The monitor reads each payload's time on the wire; a payload received ahead of
+            # its RECV has none (it arrived while the rank computed). Every rank runs this hook.
+            strategy.receive_ahead = False
+            strategy._build_executors()
+            rank_zero_info(
+                "DeepCEE adapter: receive_ahead turned off (the link monitor needs per-message "
+                "wire times)"
+            )
         if self._replanned is not None:
             self._restore_replan(trainer, strategy)
         if self._base_microbatches is None:

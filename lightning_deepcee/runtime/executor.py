@@ -111,6 +111,9 @@ class PipelineExecutor:
         self.input_fn = input_fn
         self.rank = rank
         self.last_stats = StepStats()
+        # Training and evaluation steps exchange different messages: the transport keeps the
+        # payload sizes of each kind apart (its receive-ahead slots).
+        self._kind = "train" if any(a.kind in (K.B, K.W, K.BW) for a in self.actions) else "eval"
 
     def run(
         self,
@@ -131,7 +134,7 @@ class PipelineExecutor:
         stats = StepStats()
         start = time.perf_counter()
         self.transport.records.clear()
-        self.transport.expect(self._sources(states))
+        self.transport.begin_step(self._kind, self._sources(states))
         loss: torch.Tensor | None = None
         for pos, action in enumerate(self.actions):
             st = states[action.microbatch]
@@ -153,7 +156,7 @@ class PipelineExecutor:
             if out is not None:
                 loss = out if loss is None else loss + out
         stats.seconds_by_kind["WAIT_SENDS"] += self.transport.wait_sends()
-        self.transport.join()
+        self.transport.end_step()
         stats.wall_s = time.perf_counter() - start
         self.last_stats = stats
         return loss

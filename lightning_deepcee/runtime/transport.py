@@ -5,23 +5,23 @@ the payload. The receiver allocates from the header, so micro-batch sizes may di
 micro-batches, between stages and between steps (torch.distributed.pipelining preallocates from
 micro-batch 0 and cannot do that). Sends are asynchronous (``isend``) and kept alive until
 :meth:`P2PTransport.wait_sends`. Messages between one ordered pair of ranks arrive in the order
-they were sent, which the schedule validator guarantees matches the order they are received;
-headers and payloads travel on two tags so that a header can be received ahead of the payload
-before it.
+they were sent, which the schedule validator guarantees matches the order they are received.
+Headers, payload slots and the rest of payloads travel on three tags.
 
-**Receiving ahead.** Gloo moves a message only once the receiver has posted its receive (the
-sender's payload waits in a rendezvous: a 50 MB send to a receiver that posts 5 s late completes
-after 5 s). A receive posted only when the schedule reaches it therefore serialises every
-transfer with the receiver's compute, and on a slow link the pipeline waits for each message
-twice. :meth:`P2PTransport.expect` takes the step's receives in schedule order and, for each
-peer, starts a thread that receives them one after another (header, then the payload sized from
-it) as soon as the sender sends; :meth:`P2PTransport.recv` then only takes the next arrived
-tensor. ``Work.is_completed()`` of a gloo receive does not change until ``wait()``, so a polling
-loop in the main thread cannot do this; a blocked ``wait()`` releases the GIL. Used for gloo
-only (NCCL has its own progress engine and its receives belong on the compute stream). Off by
-default: on the lab (2 shared cores, end devices at 12% of a core) the same plan ran at
-26.2 and 34.3 samples/s with it and 30.5, 31.9 and 33.9 without, no gain beyond the noise;
-the threads' wake-ups cost CPU that quota'd devices lack.
+**Receiving ahead** (``prefetch``, gloo only). Gloo moves a message only once the receiver has
+posted its receive: the sender's payload waits in a rendezvous (a 50 MB send to a receiver that
+posts 5 s late completes after 5 s), and the receiver's "ready" travels back over the reverse
+link, where on a pipeline's slow hop it queues behind the other direction's payloads. On the lab
+an 80 KB activation that takes 32 ms on a 20 Mbit/s link took about 60 ms from its receive's
+posting, and forward sends waited up to 400 ms for their receives. With ``prefetch``,
+:meth:`P2PTransport.begin_step` posts every receive of the step at its start: the header, and a
+payload *slot* as large as the same message of the last step of the same kind (both ends of a
+pair saw that size, so both know the slot without asking). The sender fills the slot (padding a
+smaller payload) and sends any bytes beyond it on the third tag, which the receiver then fetches
+as before; a message with no slot yet (the first step) goes whole on that tag. Sizes may
+therefore change freely; only unchanged sizes are received ahead. A payload that came in ahead
+has no measured time on the wire (``TransferRecord.wire_s`` is ``None``), so the adapter's link
+monitor sees only the messages that were not. Every rank must use the same setting.
 
 Gloo carries host memory only (its send/recv read the tensor's pointer as host memory). A
 cluster that mixes GPU and CPU-only devices (cloud GPUs, end-device CPUs) must use gloo, so
@@ -31,9 +31,9 @@ CUDA tensors are staged through host memory whenever the group's backend is gloo
 
 from __future__ import annotations
 
-import queue
-import threading
+import math
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,7 +61,8 @@ class PeerLostError(RuntimeError):
 
 MAX_DIMS = 8
 _HEADER_TAG = 1
-_PAYLOAD_TAG = 2
+_SLOT_TAG = 2
+_REST_TAG = 3
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
     torch.float16,
@@ -75,6 +76,11 @@ _DTYPES: tuple[torch.dtype, ...] = (
     torch.bool,
 )
 _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+
+
+def _parse(header: torch.Tensor) -> tuple[torch.dtype, list[int]]:
+    values = header.tolist()
+    return _DTYPES[values[0]], values[2 : 2 + values[1]]
 
 
 def wire_device(device: torch.device, group: dist.ProcessGroup | None = None) -> torch.device:
@@ -121,6 +127,17 @@ class TransferRecord:
 
 
 @dataclass
+class _Posted:
+    """A receive posted at the start of the step: its header and its payload slot."""
+
+    header: torch.Tensor
+    header_work: Any
+    slot: torch.Tensor | None
+    slot_work: Any
+    key: tuple[str, str, int, int]
+
+
+@dataclass
 class P2PTransport:
     """Sends and receives tensors of any shape between ranks of ``group`` (global ranks)."""
 
@@ -129,17 +146,66 @@ class P2PTransport:
     _pending: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
     records: list[TransferRecord] = field(default_factory=list)
     prefetch: bool = False
-    """Receive ahead on gloo (see the module docstring); ``False`` keeps receives blocking."""
+    """Post receives ahead on gloo (see the module docstring); every rank must agree."""
     _wire: torch.device | None = field(default=None, init=False, repr=False)
-    _inbox: dict[int, queue.SimpleQueue[Any]] = field(default_factory=dict, init=False, repr=False)
-    _left: dict[int, int] = field(default_factory=dict, init=False, repr=False)
-    _threads: list[threading.Thread] = field(default_factory=list, init=False, repr=False)
+    _step: str | None = field(default=None, init=False, repr=False)
+    _sizes: dict[tuple[str, str, int, int], int] = field(
+        default_factory=dict, init=False, repr=False
+    )
+    """Payload bytes of each message of the last step, by (step kind, direction, peer, index):
+    both ends of a pair record the same figures, so both know the next step's slot sizes."""
+    _counts: dict[tuple[str, int], int] = field(default_factory=dict, init=False, repr=False)
+    _posted: dict[int, deque[_Posted]] = field(default_factory=dict, init=False, repr=False)
 
     def _wire_device(self) -> torch.device:
         """:func:`wire_device` of this transport, looked up once (the group's backend is fixed)."""
         if self._wire is None:
             self._wire = wire_device(self.device, self.group)
         return self._wire
+
+    def _slotted(self) -> bool:
+        return self._step is not None
+
+    def _next_key(self, direction: str, peer: int) -> tuple[str, str, int, int]:
+        assert self._step is not None
+        index = self._counts.get((direction, peer), 0)
+        self._counts[(direction, peer)] = index + 1
+        return (self._step, direction, peer, index)
+
+    def begin_step(self, kind: str, sources: Sequence[int]) -> None:
+        """Start a step of ``kind`` that receives from ``sources`` (in order); post them all.
+
+        With ``prefetch`` on gloo, every expected message gets its header receive and, when the
+        same message of the last step of this ``kind`` had ``n`` payload bytes, an ``n``-byte
+        payload slot, posted now; senders fill the slot (bytes beyond it follow separately).
+        Without ``prefetch`` (or on NCCL) nothing is posted and receives block as they come.
+        """
+        self._counts.clear()
+        self._posted.clear()
+        if not self.prefetch or dist.get_backend(self.group) != dist.Backend.GLOO:
+            self._step = None
+            return
+        self._step = kind
+        wire = self._wire_device()
+        for src in sources:
+            key = self._next_key("recv", src)
+            header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=wire)
+            header_work = dist.irecv(header, src, group=self.group, tag=_HEADER_TAG)
+            size = self._sizes.get(key, 0)
+            slot, slot_work = None, None
+            if size > 0:
+                slot = torch.empty(size, dtype=torch.uint8, device=wire)
+                slot_work = dist.irecv(slot, src, group=self.group, tag=_SLOT_TAG)
+            self._posted.setdefault(src, deque()).append(
+                _Posted(header, header_work, slot, slot_work, key)
+            )
+        self._counts.clear()  # the receives' keys are in the posted entries; sends count anew
+
+    def end_step(self) -> None:
+        """Check that every posted receive was taken (a schedule bug otherwise)."""
+        left = {src: len(q) for src, q in self._posted.items() if q}
+        if left:
+            raise RuntimeError(f"P2PTransport: posted receives never taken: {left}")
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Start sending ``tensor`` to global rank ``dst``; returns before it is delivered."""
@@ -154,8 +220,24 @@ class P2PTransport:
         header[0] = _DTYPE_CODE[payload.dtype]
         header[1] = payload.dim()
         header[2 : 2 + payload.dim()] = torch.tensor(payload.shape, dtype=torch.int64)
-        header = header.to(wire)
-        for msg, tag in ((header, _HEADER_TAG), (payload, _PAYLOAD_TAG)):
+        messages = [(header.to(wire), _HEADER_TAG)]
+        if self._slotted():
+            key = self._next_key("send", dst)
+            raw = payload.reshape(-1).view(torch.uint8)
+            size, slot = raw.numel(), self._sizes.get(key, 0)
+            self._sizes[key] = size
+            if slot > 0:
+                if size == slot:
+                    part = raw
+                else:  # the slot's size is fixed by the last step: pad it, or fill it
+                    part = torch.zeros(slot, dtype=torch.uint8, device=wire)
+                    part[: min(size, slot)] = raw[: min(size, slot)]
+                messages.append((part, _SLOT_TAG))
+            if size > slot or slot == 0:  # no slot: the whole payload, even when empty
+                messages.append((raw[slot:], _REST_TAG))
+        else:
+            messages.append((payload, _REST_TAG))
+        for msg, tag in messages:
             work = dist.isend(msg, dst, group=self.group, tag=tag)
             if work is not None:
                 self._pending.append((work, msg))
@@ -165,89 +247,66 @@ class P2PTransport:
             )
         )
 
-    def expect(self, sources: Sequence[int]) -> None:
-        """Start receiving this step's messages ahead: ``sources`` are their senders, in order.
-
-        One thread per peer receives that peer's messages in order as soon as they are sent;
-        :meth:`recv` takes them. Only on gloo with ``prefetch``; otherwise nothing happens and
-        :meth:`recv` blocks as usual. Every expected message must be taken before the next call.
-        """
-        if not self.prefetch or dist.get_backend(self.group) != dist.Backend.GLOO:
-            return
-        if any(self._left.values()):
-            raise RuntimeError(
-                f"P2PTransport.expect: messages of the last step were never received: {self._left}"
-            )
-        self.join()
-        counts: dict[int, int] = {}
-        for src in sources:
-            counts[src] = counts.get(src, 0) + 1
-        wire = self._wire_device()
-        for src, count in counts.items():
-            inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-            self._inbox[src], self._left[src] = inbox, count
-            thread = threading.Thread(
-                target=self._receive_ahead,
-                args=(src, count, wire, inbox),
-                name=f"deepcee-recv-from-{src}",
-                daemon=True,
-            )
-            thread.start()
-            self._threads.append(thread)
-
-    def _receive_ahead(
-        self, src: int, count: int, wire: torch.device, inbox: queue.SimpleQueue[Any]
-    ) -> None:
-        for _ in range(count):
-            try:
-                inbox.put(self._receive(src, wire))
-            except BaseException as exc:  # handed to the main thread by recv()
-                inbox.put(exc)
-                return
-
-    def _receive(self, src: int, wire: torch.device) -> tuple[torch.Tensor, float, float]:
-        """Header then payload from ``src``: ``(payload, header arrival, payload arrival)``."""
-        header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=wire)
-        dist.recv(header, src, group=self.group, tag=_HEADER_TAG)
-        arrived = time.perf_counter()
-        values = header.tolist()
-        buf = torch.empty(values[2 : 2 + values[1]], dtype=_DTYPES[values[0]], device=wire)
-        dist.recv(buf, src, group=self.group, tag=_PAYLOAD_TAG)
-        return buf, arrived, time.perf_counter()
-
     def recv(self, src: int) -> torch.Tensor:
         """Block until the next tensor from global rank ``src`` has arrived and return it."""
         start = time.perf_counter()
         try:
-            if self._left.get(src, 0) > 0:
-                self._left[src] -= 1
-                item = self._inbox[src].get()
-                if isinstance(item, BaseException):
-                    raise item
-                buf, arrived, done = item
+            if self._slotted():
+                buf, arrived = self._take_posted(src)
             else:
-                buf, arrived, done = self._receive(src, self._wire_device())
+                buf, arrived = self._receive(src)
         except RuntimeError as exc:
             raise PeerLostError(
                 src,
                 f"receiving from rank {src} failed after {time.perf_counter() - start:.1f} s"
                 f": {exc}",
             ) from exc
-        blocked = time.perf_counter() - start
-        # wire_s: the payload's time on the link, from its header's arrival (both are sent back
-        # to back), whether the receive ran ahead or blocked here.
+        done = time.perf_counter()
+        # wire_s: from the header's arrival to the payload's (sent back to back). A payload
+        # received ahead may have arrived long before it is taken: no wire time then.
         self.records.append(
             TransferRecord(
-                src, buf.numel() * buf.element_size(), blocked, "recv", max(0.0, done - arrived)
+                src,
+                buf.numel() * buf.element_size(),
+                done - start,
+                "recv",
+                None if arrived is None else done - arrived,
             )
         )
         return buf.to(self.device)
 
-    def join(self) -> None:
-        """Wait for the receive-ahead threads of the last step (they end with their messages)."""
-        for thread in self._threads:
-            thread.join()
-        self._threads.clear()
+    def _receive(self, src: int) -> tuple[torch.Tensor, float]:
+        wire = self._wire_device()
+        header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=wire)
+        dist.recv(header, src, group=self.group, tag=_HEADER_TAG)
+        arrived = time.perf_counter()
+        dtype, shape = _parse(header)
+        buf = torch.empty(shape, dtype=dtype, device=wire)
+        dist.recv(buf, src, group=self.group, tag=_REST_TAG)
+        return buf, arrived
+
+    def _take_posted(self, src: int) -> tuple[torch.Tensor, float | None]:
+        queue_ = self._posted.get(src)
+        if not queue_:
+            raise RuntimeError(f"a receive from rank {src} that the step did not announce")
+        posted = queue_.popleft()
+        posted.header_work.wait()
+        dtype, shape = _parse(posted.header)
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self._sizes[posted.key] = size
+        slot = posted.slot
+        arrived: float | None = None
+        if slot is not None:
+            posted.slot_work.wait()
+        if slot is not None and size <= slot.numel():
+            raw = slot[:size]
+        else:
+            arrived = time.perf_counter()
+            rest = torch.empty(size - (0 if slot is None else slot.numel()), dtype=torch.uint8)
+            rest = rest.to(self._wire_device())
+            dist.recv(rest, src, group=self.group, tag=_REST_TAG)
+            raw = rest if slot is None else torch.cat([slot, rest])
+        return raw.view(dtype).reshape(shape), arrived
 
     def wait_sends(self) -> float:
         """Wait for every outstanding send; returns the seconds spent waiting."""

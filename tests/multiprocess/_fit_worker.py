@@ -40,7 +40,7 @@ def _trainer(cfg: dict[str, Any], root: Path, **overrides: Any) -> pl.Trainer:
         profile_cache=str(root / "profile.yaml") if cfg.get("profile") else None,
         verbose=cfg.get("verbose", False),
         process_group_backend=cfg.get("backend"),
-        receive_ahead=cfg.get("receive_ahead", False),
+        receive_ahead=cfg.get("receive_ahead", True),
     )
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     kwargs: dict[str, Any] = dict(
