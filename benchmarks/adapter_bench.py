@@ -92,7 +92,11 @@ def worker_main(argv: list[str]) -> None:
         accelerator="cpu",
         devices=1,
         num_nodes=world,
-        strategy=DeepCEEStrategy(schedule=args.schedule, num_microbatches=args.microbatches),
+        # receive_ahead=False in both arms: the adapter turns it off (its monitor reads wire
+        # times), so the arms differ only by the adapter.
+        strategy=DeepCEEStrategy(
+            schedule=args.schedule, num_microbatches=args.microbatches, receive_ahead=False
+        ),
         max_steps=100_000,
         limit_val_batches=0,
         logger=False,

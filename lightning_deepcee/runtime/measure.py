@@ -281,23 +281,23 @@ def _block_fastest(
 
     The fastest call is the one that ran unthrottled: a CPU quota stalls whichever calls run
     after the period's budget is spent (5 ms or 90 ms for the same block on the lab's end
-    devices), and a median of five consecutive calls lands on either. Sustained speed is
-    measured separately (``sustained_factor``).
+    devices), and a median of five consecutive calls lands on either. The repeats run as passes
+    over all blocks (not five calls of one block, then the next): consecutive calls of one block
+    fall into the same throttled stretch, and once gave some blocks of an end device their burst
+    time and others ten times more, so the planner put three transformer layers there. Sustained
+    speed is measured separately (``sustained_factor``).
     """
-    fastest = []
-    for index, block in enumerate(blocks):
-        step_loss = loss_fn if index == len(blocks) - 1 else None
-        times = [
-            _time_block(block, inputs[index], index == 0, step_loss, sample_batch)
-            for _ in range(warmup + repeats)
-        ][warmup:]
-        fastest.append(
-            (
-                min(t[0] for t in times),
-                min(t[1] for t in times),
-                min(t[2] for t in times),
-            )
-        )
+    last = len(blocks) - 1
+    times: list[list[tuple[float, float, float]]] = [[] for _ in blocks]
+    for repeat in range(warmup + repeats):
+        for index, block in enumerate(blocks):
+            step_loss = loss_fn if index == last else None
+            timing = _time_block(block, inputs[index], index == 0, step_loss, sample_batch)
+            if repeat >= warmup:
+                times[index].append(timing)
+    fastest = [
+        (min(t[0] for t in ts), min(t[1] for t in ts), min(t[2] for t in ts)) for ts in times
+    ]
     return fastest
 
 
