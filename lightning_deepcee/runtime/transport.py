@@ -122,8 +122,8 @@ class TransferRecord:
     wire_s: float | None = None
     """Receives only: seconds from the shape header's arrival to the payload's. The sender posts
     both back to back, so this is the payload's time on the link, without the wait for the
-    sender to reach its send. What link monitoring should read. Received ahead, it may exceed
-    ``seconds``."""
+    sender to reach its send. What link monitoring should read. ``None`` for a payload received
+    ahead (into its slot, while this rank computed): its arrival time is not known."""
 
 
 @dataclass

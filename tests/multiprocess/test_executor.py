@@ -92,8 +92,8 @@ def _worker(
     )
     transport = ex.transport
     ex.run(split_batch(_data(), split_sizes(11, m)), 11)
-    # Every receive is timed twice: blocked and on the wire. Received ahead (gloo), the wire
-    # time may exceed the blocked time: the payload arrived while this rank computed.
+    # Every receive is timed twice: blocked and on the wire (a single step has no payload
+    # slots yet, so every payload's wire time is measured, receive-ahead or not).
     for record in transport.records:
         if record.direction == "recv":
             assert record.wire_s is not None and record.wire_s >= 0, record
