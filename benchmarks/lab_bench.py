@@ -124,7 +124,9 @@ def _lightning_worker(args: argparse.Namespace) -> None:
             stats = getattr(trainer.strategy, "last_step_stats", None)
             if stats is not None:  # this rank's executor time by action kind, for the cost model
                 step = {**stats.seconds_by_kind, "executor_wall": stats.wall_s}
-                step["timeline"] = [(a, round(t0, 6), round(t1, 6)) for a, t0, t1 in stats.timeline]
+                step["timeline"] = [
+                    (str(a), round(t0, 6), round(t1, 6)) for a, t0, t1 in stats.timeline
+                ]
                 for r in trainer.strategy.transfer_records:  # received bytes and wire time per peer
                     if r.direction == "recv":
                         step[f"recv_bytes_from{r.peer}"] = (

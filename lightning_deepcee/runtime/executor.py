@@ -50,7 +50,7 @@ class StepStats:
 
     seconds_by_kind: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     wall_s: float = 0.0
-    timeline: list[tuple[str, float, float]] = field(default_factory=list)
+    timeline: list[tuple[Action, float, float]] = field(default_factory=list)
     """Every action run, as ``(action, start, end)`` in ``time.perf_counter()`` seconds (the
     monotonic clock, shared by the processes of one host): the measured counterpart of the
     simulator's timeline."""
@@ -134,7 +134,8 @@ class PipelineExecutor:
         stats = StepStats()
         start = time.perf_counter()
         self.transport.records.clear()
-        self.transport.begin_step(self._kind, self._sources(states))
+        sources = self._sources(states) if self.transport.prefetch else []
+        self.transport.begin_step(self._kind, sources)
         loss: torch.Tensor | None = None
         for pos, action in enumerate(self.actions):
             st = states[action.microbatch]
@@ -152,7 +153,7 @@ class PipelineExecutor:
                 ) from exc
             t1 = time.perf_counter()
             stats.seconds_by_kind[action.kind.value] += t1 - t0
-            stats.timeline.append((str(action), t0, t1))
+            stats.timeline.append((action, t0, t1))
             if out is not None:
                 loss = out if loss is None else loss + out
         stats.seconds_by_kind["WAIT_SENDS"] += self.transport.wait_sends()
