@@ -92,11 +92,8 @@ def worker_main(argv: list[str]) -> None:
         accelerator="cpu",
         devices=1,
         num_nodes=world,
-        # receive_ahead=False in both arms: the adapter turns it off (its monitor reads wire
-        # times), so the arms differ only by the adapter.
-        strategy=DeepCEEStrategy(
-            schedule=args.schedule, num_microbatches=args.microbatches, receive_ahead=False
-        ),
+        # Receive-ahead (the default) in both arms: the arms differ only by the adapter.
+        strategy=DeepCEEStrategy(schedule=args.schedule, num_microbatches=args.microbatches),
         max_steps=100_000,
         limit_val_batches=0,
         logger=False,

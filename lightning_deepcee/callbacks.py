@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import asdict
 from typing import Any
 
 import lightning.pytorch as pl
@@ -111,6 +112,9 @@ class DynamicEnvironmentAdapter(Callback):
     - ``split`` / ``merge`` (fast response): the step's micro-batch count becomes the configured
       count times the largest split in force, from the next step on, so a stage behind a slow link
       starts on smaller pieces sooner; it returns to the configured count when links recover.
+      After a split, a :class:`~lightning_deepcee.adapter.SplitTuner` tries one piece more at a
+      time while the median step time (max over ranks) drops by ``tune_gain`` or more, and
+      settles on the best split it measured (``tune_gain=None``: no tuning).
     - ``replan`` (slow response): every rank's link figures are gathered; the strategy's
       ``cluster_profile`` is rescaled on every link that is off its expectation (by
       ``measured / expected``, both directions unless the reverse has its own observation, see
@@ -135,7 +139,10 @@ class DynamicEnvironmentAdapter(Callback):
             time (on the observed profile), for which a re-plan moves blocks; in ``[0, 1)``.
             Moving blocks costs a gather of the whole training state and a re-calibration, and
             the cost model is off by up to a few tens of percent on the lab, so a smaller gain is
-            not worth acting on. The other arguments are the monitor's (see docs/adapter.md).
+            not worth acting on.
+        tune_gain: the least relative drop of the median step time (over ``window`` steps) for
+            the tuner to keep a finer split, in ``[0, 1)``; ``None`` keeps the monitor's split.
+            The other arguments are the monitor's (see docs/adapter.md).
     """
 
     def __init__(
@@ -150,8 +157,9 @@ class DynamicEnvironmentAdapter(Callback):
         calibration_steps: int = 10,
         min_link_share: float = 0.1,
         replan_gain: float = 0.1,
+        tune_gain: float | None = 0.05,
     ) -> None:
-        from lightning_deepcee.adapter import MonitorConfig
+        from lightning_deepcee.adapter import MonitorConfig, SplitTuner
 
         self.config = MonitorConfig(
             slow_threshold=slow_threshold,
@@ -173,6 +181,12 @@ class DynamicEnvironmentAdapter(Callback):
         self.min_link_share = min_link_share
         self.calibration_steps = calibration_steps
         self.replan_gain = float(replan_gain)
+        self.tuner: SplitTuner | None = None
+        if tune_gain is not None:
+            self.tuner = SplitTuner(max_split=max_split, window=window, min_gain=tune_gain)
+        self._tuned_split: int | None = None
+        """The tuner's split while it is in force (overrides the monitor's largest split)."""
+        self._last_batch_end: float | None = None
         self.monitor: Any = None
         self._calibration: dict[str, list[float]] = {}
         self._calibration_start = 0
@@ -187,15 +201,6 @@ class DynamicEnvironmentAdapter(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = _deepcee(trainer)
-        if strategy.receive_ahead:
-            # The monitor reads each payload's time on the wire; a payload received ahead of
-            # its RECV has none (it arrived while the rank computed). Every rank runs this hook.
-            strategy.receive_ahead = False
-            strategy._build_executors()
-            rank_zero_info(
-                "DeepCEE adapter: receive_ahead turned off (the link monitor needs per-message "
-                "wire times)"
-            )
         if self._replanned is not None:
             self._restore_replan(trainer, strategy)
         if self._base_microbatches is None:
@@ -215,6 +220,9 @@ class DynamicEnvironmentAdapter(Callback):
 
         strategy = _deepcee(trainer)
         step = trainer.global_step
+        now = time.perf_counter()
+        step_s = 0.0 if self._last_batch_end is None else now - self._last_batch_end
+        self._last_batch_end = now
         # A receive's blocked time includes waiting for the sender's compute, which a split
         # shortens: judging links by it makes the adapter's own splits look like recoveries.
         # The payload's time on the wire (after its header arrived) is what the link delivers.
@@ -240,8 +248,6 @@ class DynamicEnvironmentAdapter(Callback):
         step_bytes: dict[tuple[int, int], int] = {}
         for o in observations:
             step_bytes[(o.src, o.dst)] = step_bytes.get((o.src, o.dst), 0) + o.num_bytes
-        stats = strategy.last_step_stats
-        step_s = float(stats.wall_s) if stats is not None and stats.wall_s else 0.0
         mine = []
         for d in self.monitor.observe(step, observations):
             # Carry the deciding rank's figures, so every rank judges the decision alike.
@@ -249,11 +255,16 @@ class DynamicEnvironmentAdapter(Callback):
             entry["step_bytes"] = step_bytes.get(d.link, 0)
             entry["step_s"] = step_s
             mine.append(entry)
-        # Most steps decide nothing: one small all-reduce says so, and only a step with a
-        # decision somewhere pays for gathering the decisions themselves.
-        count = torch.tensor([len(mine)], dtype=torch.int64, device=strategy.root_device)
-        torch.distributed.all_reduce(count)
-        if int(count.item()) == 0:
+        # Most steps decide nothing: one small all-reduce says so (and gives every rank the same
+        # step time, the slowest rank's, for the tuner); only a step with a decision somewhere
+        # pays for gathering the decisions themselves.
+        summary = torch.tensor(
+            [float(len(mine)), step_s], dtype=torch.float64, device=strategy.root_device
+        )
+        torch.distributed.all_reduce(summary, op=torch.distributed.ReduceOp.MAX)
+        count, slowest_s = int(summary[0].item()), float(summary[1].item())
+        if count == 0:
+            self._tune(trainer, step, slowest_s)
             return
         gathered: list[list[dict[str, Any]] | None] = [None] * strategy.world_size
         torch.distributed.all_gather_object(gathered, mine)
@@ -292,6 +303,29 @@ class DynamicEnvironmentAdapter(Callback):
                 )
         if replans:
             self._replan(trainer, strategy, replans)
+        if self.tuner is not None and any(d["kind"] in ("split", "merge") for d in decisions):
+            # The monitor changed the split: tune from its new split (or stop: all merged).
+            self._tuned_split = None
+            split = max(self._splits.values(), default=1)
+            if split > 1:
+                self.tuner.start(split)
+            else:
+                self.tuner.stop()
+        self._apply(trainer)
+
+    def _tune(self, trainer: pl.Trainer, step: int, step_s: float) -> None:
+        """Feed the tuner this step's time (the same on every rank) and apply its decision."""
+        if self.tuner is None or not self.tuner.active:
+            return
+        decision = self.tuner.observe(step, step_s)
+        if decision is None:
+            return
+        self._tuned_split = decision.split
+        entry = {**asdict(decision), "kind": "tune-" + decision.kind}
+        self.decisions.append(entry)
+        rank_zero_info(f"DeepCEE adapter: {decision}")
+        for logger in trainer.loggers:
+            logger.log_metrics({"deepcee/adapter_tuned_split": float(decision.split)}, step=step)
         self._apply(trainer)
 
     def _replan(self, trainer: pl.Trainer, strategy: Any, replans: list[dict[str, Any]]) -> None:
@@ -406,6 +440,9 @@ class DynamicEnvironmentAdapter(Callback):
         self._calibration = {}
         self._calibration_start = step
         self._splits = {}
+        self._tuned_split = None
+        if self.tuner is not None:
+            self.tuner.stop()
         self._base_microbatches = strategy.num_microbatches
 
     def _restore_replan(self, trainer: pl.Trainer, strategy: Any) -> None:
@@ -450,7 +487,8 @@ class DynamicEnvironmentAdapter(Callback):
     def _apply(self, trainer: pl.Trainer) -> None:
         strategy = _deepcee(trainer)
         base = self._base_microbatches or strategy.num_microbatches
-        target = base * max(self._splits.values(), default=1)
+        split = self._tuned_split or max(self._splits.values(), default=1)
+        target = base * split
         if target != strategy.num_microbatches:
             strategy.set_num_microbatches(target)
             for logger in trainer.loggers:
@@ -468,6 +506,8 @@ class DynamicEnvironmentAdapter(Callback):
             "decisions": self.decisions,
             "calibration_start": self._calibration_start,
             "replanned": self._replanned,
+            "tuner": None if self.tuner is None else self.tuner.state_dict(),
+            "tuned_split": self._tuned_split,
         }
 
     @override
@@ -481,6 +521,9 @@ class DynamicEnvironmentAdapter(Callback):
         # Checkpoints from before re-planning existed lack these two.
         self._calibration_start = int(state_dict.get("calibration_start", 0))
         self._replanned = state_dict.get("replanned")
+        self._tuned_split = state_dict.get("tuned_split")
+        if self.tuner is not None and state_dict.get("tuner") is not None:
+            self.tuner.load_state_dict(state_dict["tuner"])
         self.monitor = None
         if state_dict["monitor"] is not None:
             self.monitor = LinkMonitor({}, None, self.config)

@@ -135,8 +135,8 @@ class DeepCEEStrategy(DDPStrategy):
             receive (gloo moves a message only once it is posted). Results are identical
             either way; on the lab's cloud-edge-end cluster it raised throughput by about a
             quarter (docs/architecture.md). ``False`` posts each receive when the schedule
-            reaches it. The DynamicEnvironmentAdapter turns it off (it needs per-message wire
-            times).
+            reaches it. Payloads received ahead are still timed on the wire (the
+            DynamicEnvironmentAdapter reads those times).
     """
 
     strategy_name = "deepcee"

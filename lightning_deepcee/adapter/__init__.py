@@ -2,7 +2,8 @@
 
 ``monitor.py`` is pure (no torch, no Lightning); a thin Lightning Callback feeds it the executor's
 per-transfer timings each step and applies its decisions. ``replan.py`` (pure too) turns a
-``replan`` decision into an observed profile and a searched plan worth moving to, or not. See
+``replan`` decision into an observed profile and a searched plan worth moving to, or not.
+``tuner.py`` (pure) tries finer splits after a ``split`` while they shorten the step. See
 ``docs/adapter.md``.
 """
 
@@ -26,6 +27,7 @@ from lightning_deepcee.adapter.replan import (
     link_figures,
     observed_profile,
 )
+from lightning_deepcee.adapter.tuner import SplitTuner, TunerDecision
 
 __all__ = [
     "Decision",
@@ -37,6 +39,8 @@ __all__ = [
     "LinkState",
     "MonitorConfig",
     "ReplanChoice",
+    "SplitTuner",
+    "TunerDecision",
     "choose_replan",
     "figure_from_decision",
     "link_figures",

@@ -19,9 +19,16 @@ payload *slot* as large as the same message of the last step of the same kind (b
 pair saw that size, so both know the slot without asking). The sender fills the slot (padding a
 smaller payload) and sends any bytes beyond it on the third tag, which the receiver then fetches
 as before; a message with no slot yet (the first step) goes whole on that tag. Sizes may
-therefore change freely; only unchanged sizes are received ahead. A payload that came in ahead
-has no measured time on the wire (``TransferRecord.wire_s`` is ``None``), so the adapter's link
-monitor sees only the messages that were not. Every rank must use the same setting.
+therefore change freely; only unchanged sizes are received ahead. Every rank must use the same
+setting.
+
+A payload received ahead arrives while this rank computes, so the rank cannot time it when it
+takes it. One *timer* thread per source of the step waits on that source's posted receives in
+order (messages of one pair arrive in the order sent) and notes when each header and each slot
+completed; ``wire_s`` is the difference, the payload's time on the link, as without receiving
+ahead. The main thread waits on the timer's event, never on the receive itself (a gloo receive
+may be waited on once). The timers sleep inside ``Work.wait`` without the GIL; a stamp can be
+late by the interpreter's switch interval (5 ms), which matters only for sub-10 ms transfers.
 
 Gloo carries host memory only (its send/recv read the tensor's pointer as host memory). A
 cluster that mixes GPU and CPU-only devices (cloud GPUs, end-device CPUs) must use gloo, so
@@ -32,6 +39,7 @@ CUDA tensors are staged through host memory whenever the group's backend is gloo
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -122,19 +130,47 @@ class TransferRecord:
     wire_s: float | None = None
     """Receives only: seconds from the shape header's arrival to the payload's. The sender posts
     both back to back, so this is the payload's time on the link, without the wait for the
-    sender to reach its send. What link monitoring should read. ``None`` for a payload received
-    ahead (into its slot, while this rank computed): its arrival time is not known."""
+    sender to reach its send. What link monitoring should read. For a payload received ahead
+    the arrivals are stamped by the step's timer thread (see the module docstring)."""
 
 
 @dataclass
 class _Posted:
-    """A receive posted at the start of the step: its header and its payload slot."""
+    """A receive posted at the start of the step: its header and its payload slot.
+
+    The source's timer thread waits on both works, stamps their completion (``header_at``,
+    ``slot_at``, ``time.perf_counter``) and sets ``done``; a failure is kept in ``error``.
+    """
 
     header: torch.Tensor
     header_work: Any
     slot: torch.Tensor | None
     slot_work: Any
     key: tuple[str, str, int, int]
+    done: threading.Event = field(default_factory=threading.Event)
+    header_at: float | None = None
+    slot_at: float | None = None
+    error: BaseException | None = None
+
+
+def _stamp_arrivals(posted: Sequence[_Posted]) -> None:
+    """Timer thread body: wait for each posted receive in order and stamp its arrival.
+
+    After a failure the rest of the entries get the same error (the pair is broken).
+    """
+    error: BaseException | None = None
+    for entry in posted:
+        if error is None:
+            try:
+                entry.header_work.wait()
+                entry.header_at = time.perf_counter()
+                if entry.slot_work is not None:
+                    entry.slot_work.wait()
+                    entry.slot_at = time.perf_counter()
+            except BaseException as exc:  # handed to the main thread, which re-raises it
+                error = exc
+        entry.error = error
+        entry.done.set()
 
 
 @dataclass
@@ -156,6 +192,7 @@ class P2PTransport:
     both ends of a pair record the same figures, so both know the next step's slot sizes."""
     _counts: dict[tuple[str, int], int] = field(default_factory=dict, init=False, repr=False)
     _posted: dict[int, deque[_Posted]] = field(default_factory=dict, init=False, repr=False)
+    _timers: list[threading.Thread] = field(default_factory=list, init=False, repr=False)
 
     def _wire_device(self) -> torch.device:
         """:func:`wire_device` of this transport, looked up once (the group's backend is fixed)."""
@@ -200,12 +237,24 @@ class P2PTransport:
                 _Posted(header, header_work, slot, slot_work, key)
             )
         self._counts.clear()  # the receives' keys are in the posted entries; sends count anew
+        for src, entries in self._posted.items():
+            timer = threading.Thread(
+                target=_stamp_arrivals,
+                args=(list(entries),),
+                name=f"deepcee-recv-timer-{src}",
+                daemon=True,
+            )
+            timer.start()
+            self._timers.append(timer)
 
     def end_step(self) -> None:
         """Check that every posted receive was taken (a schedule bug otherwise)."""
         left = {src: len(q) for src, q in self._posted.items() if q}
         if left:
             raise RuntimeError(f"P2PTransport: posted receives never taken: {left}")
+        for timer in self._timers:  # all their receives were taken: they have finished
+            timer.join()
+        self._timers.clear()
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Start sending ``tensor`` to global rank ``dst``; returns before it is delivered."""
@@ -252,9 +301,9 @@ class P2PTransport:
         start = time.perf_counter()
         try:
             if self._slotted():
-                buf, arrived = self._take_posted(src)
+                buf, wire_s = self._take_posted(src)
             else:
-                buf, arrived = self._receive(src)
+                buf, wire_s = self._receive(src)
         except RuntimeError as exc:
             raise PeerLostError(
                 src,
@@ -262,20 +311,14 @@ class P2PTransport:
                 f": {exc}",
             ) from exc
         done = time.perf_counter()
-        # wire_s: from the header's arrival to the payload's (sent back to back). A payload
-        # received ahead may have arrived long before it is taken: no wire time then.
+        # wire_s: from the header's arrival to the payload's (sent back to back).
         self.records.append(
-            TransferRecord(
-                src,
-                buf.numel() * buf.element_size(),
-                done - start,
-                "recv",
-                None if arrived is None else done - arrived,
-            )
+            TransferRecord(src, buf.numel() * buf.element_size(), done - start, "recv", wire_s)
         )
         return buf.to(self.device)
 
     def _receive(self, src: int) -> tuple[torch.Tensor, float]:
+        """Receive header then payload now; returns the payload and its seconds on the wire."""
         wire = self._wire_device()
         header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=wire)
         dist.recv(header, src, group=self.group, tag=_HEADER_TAG)
@@ -283,30 +326,35 @@ class P2PTransport:
         dtype, shape = _parse(header)
         buf = torch.empty(shape, dtype=dtype, device=wire)
         dist.recv(buf, src, group=self.group, tag=_REST_TAG)
-        return buf, arrived
+        return buf, time.perf_counter() - arrived
 
-    def _take_posted(self, src: int) -> tuple[torch.Tensor, float | None]:
+    def _take_posted(self, src: int) -> tuple[torch.Tensor, float]:
+        """Take the next posted receive from ``src``: the payload and its seconds on the wire."""
         queue_ = self._posted.get(src)
         if not queue_:
             raise RuntimeError(f"a receive from rank {src} that the step did not announce")
         posted = queue_.popleft()
-        posted.header_work.wait()
+        posted.done.wait()
+        if posted.error is not None:
+            raise RuntimeError(str(posted.error)) from posted.error
+        assert posted.header_at is not None
         dtype, shape = _parse(posted.header)
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         self._sizes[posted.key] = size
         slot = posted.slot
-        arrived: float | None = None
-        if slot is not None:
-            posted.slot_work.wait()
         if slot is not None and size <= slot.numel():
-            raw = slot[:size]
-        else:
-            arrived = time.perf_counter()
-            rest = torch.empty(size - (0 if slot is None else slot.numel()), dtype=torch.uint8)
-            rest = rest.to(self._wire_device())
-            dist.recv(rest, src, group=self.group, tag=_REST_TAG)
-            raw = rest if slot is None else torch.cat([slot, rest])
-        return raw.view(dtype).reshape(shape), arrived
+            assert posted.slot_at is not None
+            # A padded slot carried slot.numel() bytes: scale to the payload's share of them.
+            wire_s = (posted.slot_at - posted.header_at) * size / slot.numel()
+            return slot[:size].view(dtype).reshape(shape), wire_s
+        # No slot, or the payload outgrew it: the rest is received now, and timed from here
+        # (its rendezvous included, as without receiving ahead).
+        rest = torch.empty(size - (0 if slot is None else slot.numel()), dtype=torch.uint8)
+        rest = rest.to(self._wire_device())
+        posted_at = time.perf_counter()
+        dist.recv(rest, src, group=self.group, tag=_REST_TAG)
+        raw = rest if slot is None else torch.cat([slot, rest])
+        return raw.view(dtype).reshape(shape), time.perf_counter() - posted_at
 
     def wait_sends(self) -> float:
         """Wait for every outstanding send; returns the seconds spent waiting."""

@@ -2,12 +2,15 @@
 asks, sizes may change between steps, and the tensors are exactly those sent.
 
 Gloo moves a message only once its receive is posted; ``begin_step`` posts the step's receives
-at its start, with payload slots sized by the last step.
+at its start, with payload slots sized by the last step. A payload received ahead still has its
+time on the wire (header to payload arrival, stamped by the step's timer threads), not the time
+since its receive was posted.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,6 +33,11 @@ STEPS = [
 ]
 
 
+SEND_DELAY_S = 0.5
+"""In step 1 the sender starts this late: a wire time measured from the receive's posting
+would include it."""
+
+
 def _tensor(step: int, index: int, shape: tuple[int, ...]) -> torch.Tensor:
     if index == 3:
         return torch.tensor(True)
@@ -41,9 +49,12 @@ def _worker(rank: int, init: str, out: str, prefetch: bool) -> None:
     store = dist.distributed_c10d._get_default_store()
     transport = P2PTransport(torch.device("cpu"), prefetch=prefetch)
     ahead, exact = [], True
+    wire: list[list[float | None]] = []
     for step, shapes in enumerate(STEPS):
         if rank == 0:
             transport.begin_step("train", [])
+            if step == 1:
+                time.sleep(SEND_DELAY_S)  # the receives wait this long for their payloads
             for index, shape in enumerate(shapes):
                 transport.send(_tensor(step, index, shape), 1)
             transport.wait_sends()  # done only once rank 1 has posted every receive
@@ -58,10 +69,12 @@ def _worker(rank: int, init: str, out: str, prefetch: bool) -> None:
             for index, shape in enumerate(shapes):
                 got, want = transport.recv(0), _tensor(step, index, shape)
                 exact &= got.dtype == want.dtype and torch.equal(got, want)
+            wire.append([r.wire_s for r in transport.records[-len(shapes) :]])
         transport.end_step()
         dist.barrier()
     if rank == 1:
-        Path(out, "result.json").write_text(json.dumps(dict(ahead=ahead, exact=exact)))
+        result = dict(ahead=ahead, exact=exact, wire=wire)
+        Path(out, "result.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
@@ -74,3 +87,7 @@ def test_receives_run_ahead_of_the_schedule(tmp_path: Path, prefetch: bool) -> N
     # Step 1 has no slot sizes yet; step 2 repeats them (received ahead); step 3 grows the
     # first tensor beyond its slot, so that send waits for the receiver again.
     assert result["ahead"] == ([False, True, False] if prefetch else [False, False, False])
+    # Every payload has a wire time, received ahead or not, and it is the time on the link:
+    # loopback moves these few bytes in well under the sender's delay.
+    for step_wire in result["wire"]:
+        assert all(w is not None and 0 <= w < SEND_DELAY_S / 2 for w in step_wire), result
