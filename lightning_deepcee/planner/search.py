@@ -83,7 +83,16 @@ DEFAULT_MAX_STAGES = 16
 _EXACT_PARTITIONS = 64
 """Structures with at most this many block partitions have all of them tried."""
 _REFINED_ORDERS = 2
-"""How many of the beam's final orders get boundary refinement and second-level splitting."""
+"""How many of the beam's final orders at least get boundary refinement and second-level
+splitting."""
+_REFINE_WINDOW = 1.25
+"""Further final orders predicted within this factor of the best (before refinement) are refined
+too: an order that loses unrefined by a few percent can win once its cuts move or a group is
+split (a 4-device instance missed the exhaustive optimum by 8.6% refining only two)."""
+_REFINE_ALL_UNITS = 4
+"""With at most this many network units every final order is refined (at most ``4! = 24``
+orders, ``beam_width`` finalists): cheap, and an order can rank third unrefined and win once
+one of its groups is split."""
 _REFINE_EVERY_SPLIT = 8
 """Up to this many stages every trial split is refined before it is compared; beyond, trial
 splits are compared on the balanced partition and only the final structure is refined."""
@@ -281,9 +290,11 @@ class _Context:
         """Improve the block boundaries under the full cost model, then re-pick (schedule, m).
 
         The compute-balanced partition ignores transfers, which depend on where the cuts fall.
-        When a structure has at most ``_EXACT_PARTITIONS`` partitions they are all tried;
-        otherwise up to ``max_iter`` rounds of hill climbing move one boundary, or two adjacent
-        boundaries together (shifting a whole stage), by one block, keeping the best move.
+        When a structure has at most ``_EXACT_PARTITIONS`` partitions they are all tried, each
+        with every (schedule, micro-batch count) pair (the best cuts depend on the pair: fewer,
+        larger micro-batches favour other cuts than many small ones); otherwise up to
+        ``max_iter`` rounds of hill climbing move one boundary, or two adjacent boundaries
+        together (shifting a whole stage), by one block, keeping the best move.
         """
         current = scored
         p, n = len(current.ranges), self.profile.num_blocks
@@ -291,9 +302,7 @@ class _Context:
             for cuts in itertools.combinations(range(1, n), p - 1):
                 bounds = (0, *cuts, n)
                 ranges = tuple(itertools.pairwise(bounds))
-                trial = self.evaluate(
-                    current.structure, ranges, current.schedule, current.num_microbatches
-                )
+                trial = self.best_over_pairs(current.structure, ranges)
                 if trial is not None and trial.step_time_s < current.step_time_s * (1 - 1e-9):
                     current = trial
         else:
@@ -751,9 +760,17 @@ def _search_units(
     # the few best orders only. Each finalist is split before they are compared: an order that
     # loses unsplit can win once one of its groups is split (and its halves swapped).
     finalists.sort(key=lambda scored: scored.step_time_s)
+    window = finalists[0].step_time_s * _REFINE_WINDOW
+    chosen = [
+        scored
+        for index, scored in enumerate(finalists)
+        if index < _REFINED_ORDERS
+        or scored.step_time_s <= window
+        or len(units) <= _REFINE_ALL_UNITS
+    ]
     split = [
         _split_second_level(context, context.refine(scored, max_iter), grouping, max_iter)
-        for scored in finalists[:_REFINED_ORDERS]
+        for scored in chosen
     ]
     return min(split, key=lambda scored: scored.step_time_s)
 
