@@ -246,7 +246,20 @@ class LabNetwork:
             self.record.add_process(switch.pid, f"switch {switch.name} ({region.name})")
             self._save()
         for rank, device in enumerate(self.topology.devices):
-            host = net.addHost(device.name, cpu=device.cpu, ip=f"{self.plan.ips[rank]}/24")
+            period_us = round(self.topology.cpu_period_ms * 1000)
+            quota_us = period_us * device.cpu * (os.cpu_count() or 1)
+            if quota_us < 1000:
+                raise ValueError(
+                    f"device {device.name}: a CPU quota of {quota_us / 1000:.2f} ms per "
+                    f"{period_us / 1000:g} ms period is below the kernel's 1 ms minimum; raise "
+                    "cpu_period_ms or the device's cpu"
+                )
+            host = net.addHost(
+                device.name,
+                cpu=device.cpu,
+                period_us=period_us,
+                ip=f"{self.plan.ips[rank]}/24",
+            )
             self._hosts[device.name] = host
             self.record.add_process(host.pid, f"host {device.name}")
             ns = netns_id(host.pid)

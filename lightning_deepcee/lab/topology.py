@@ -140,6 +140,12 @@ class Topology:
     regions: tuple[Region, ...]
     devices: tuple[Device, ...]
     wan: tuple[WanLink, ...] = ()
+    cpu_period_ms: float = 100.0
+    """The CFS period of every device's CPU quota (Mininet's ``period_us``, default 100 ms). A
+    quota lets a device run at full speed for ``cpu x cores x period``, then stalls it until the
+    period ends: with 100 ms, an end device at 12% of a core runs 12 ms and stalls 88 ms, far
+    burstier than a slow CPU (its actions and messages take 1-20 ms). A shorter period spreads
+    the same share evenly; the quota must stay >= 1 ms (the kernel's least)."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -238,11 +244,12 @@ class Topology:
             "regions": {r.name: {"lan_mbit": r.lan_mbit} for r in self.regions},
             "devices": [{"name": d.name, "region": d.region, "cpu": d.cpu} for d in self.devices],
             "wan": [{"regions": list(w.regions), "mbit": w.mbit} for w in self.wan],
+            "cpu_period_ms": self.cpu_period_ms,
         }
 
     @classmethod
     def from_dict(cls, data: Any, default_name: str = "lab") -> Topology:
-        _check_keys(data, "topology", {"regions", "devices"}, {"name", "wan"})
+        _check_keys(data, "topology", {"regions", "devices"}, {"name", "wan", "cpu_period_ms"})
         regions_in = data["regions"]
         if not isinstance(regions_in, Mapping) or not regions_in:
             raise ValueError("topology.regions must be a non-empty mapping of region name to {...}")
@@ -289,7 +296,17 @@ class Topology:
             regions=tuple(regions),
             devices=tuple(devices),
             wan=tuple(wan),
+            cpu_period_ms=_period_ms(data.get("cpu_period_ms", 100.0)),
         )
+
+
+def _period_ms(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 1 <= value <= 1000:
+        raise ValueError(
+            f"topology.cpu_period_ms={value!r} must be a number of milliseconds in [1, 1000] "
+            "(the kernel's CFS period range)"
+        )
+    return float(value)
 
 
 def _validate(topo: Topology) -> None:

@@ -47,6 +47,9 @@ def test_base_round_trips() -> None:
     assert topo.link_mbit(["edge", "cloud"]) == 100
     assert topo.link_mbit(["end0", "end"]) == 100
     assert topo.link_mbit(["end", "end0"]) == 100
+    assert topo.cpu_period_ms == 100.0  # Mininet's default CFS period
+    short = Topology.from_dict({**BASE, "cpu_period_ms": 10})
+    assert short.cpu_period_ms == 10.0 and Topology.from_dict(short.to_dict()) == short
 
 
 @pytest.mark.parametrize(
@@ -73,6 +76,8 @@ def test_base_round_trips() -> None:
         ("regions.edge.jitter_ms", 3, r"regions\.edge\.jitter_ms: .*no netem"),
         ("latency", {"cloud": 5}, r"topology\.latency: .*no netem"),
         ("devices.0.gpu", 1, r"devices\[0\]\.gpu is not a known key"),
+        ("cpu_period_ms", 0.5, r"cpu_period_ms=0\.5 must be a number of milliseconds"),
+        ("cpu_period_ms", "10", r"cpu_period_ms='10'"),
     ],
 )
 def test_invalid_topologies_name_the_field(path: str, value: Any, message: str) -> None:
