@@ -12,6 +12,8 @@ time, and the micro-batch count in force.
 
 Results: ``<results>/adapter_<topology>.json`` (per-step records of both runs, phase figures,
 decisions), ``.md`` (the phase table) and ``.png`` (samples/s over time, trace phases shaded).
+``--profile`` profiles the cluster at setup in both arms, so the adapter's ``replan`` can act
+(the slow response); its results are ``adapter_<topology>_replan.*``.
 A step belongs to the phase in which it ended; the first ``--settle`` steps of the degraded and
 recovered phases are reported separately (the adapter needs ``window + react_after`` steps to
 react, the baseline nothing), and the figures of the whole phases are given too.
@@ -52,6 +54,7 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--end-s", type=float, required=True, help="stop after this trace time")
     p.add_argument("--steps-log", type=Path, required=True)
+    p.add_argument("--profile", action="store_true", help="profile at setup (re-plan possible)")
     args = p.parse_args(argv)
     t0 = float(os.environ["DEEPCEE_LAB_T0"])
     world = int(os.environ["WORLD_SIZE"])
@@ -93,7 +96,9 @@ def worker_main(argv: list[str]) -> None:
         devices=1,
         num_nodes=world,
         # Receive-ahead (the default) in both arms: the arms differ only by the adapter.
-        strategy=DeepCEEStrategy(schedule=args.schedule, num_microbatches=args.microbatches),
+        strategy=DeepCEEStrategy(
+            schedule=args.schedule, num_microbatches=args.microbatches, profile=args.profile
+        ),
         max_steps=100_000,
         limit_val_batches=0,
         logger=False,
@@ -162,6 +167,12 @@ def harness_main(argv: list[str]) -> int:
     p.add_argument("--results", type=Path, default=HERE / "results")
     p.add_argument("--logs", type=Path, default=REPO / "runs" / "adapter_bench")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the cluster at setup in both arms, so the adapter can re-plan (the slow "
+        "response); results go to adapter_<topology>_replan.*",
+    )
     from lab_bench import parse_with_config
 
     args = parse_with_config(p, argv)
@@ -173,18 +184,18 @@ def harness_main(argv: list[str]) -> int:
     topology = load_topology(args.topology)
     trace = load_trace(args.trace, topology).to_list()
     phases = _phases(trace, args.end_s)
-    name = f"adapter_{topology.name}"
+    name = f"adapter_{topology.name}" + ("_replan" if args.profile else "")
     args.results.mkdir(parents=True, exist_ok=True)
     result_path = args.results / f"{name}.json"
     result: dict[str, Any] = json.loads(result_path.read_text()) if result_path.exists() else {}
     result["config"] = dict(
         topology=str(args.topology), trace=trace, size=args.size, global_batch=args.global_batch,
         microbatches=args.microbatches, schedule=args.schedule, end_s=args.end_s,
-        skip_s=args.skip_s, settle=args.settle,
+        skip_s=args.skip_s, settle=args.settle, profile=args.profile,
     )  # fmt: skip
     result.setdefault("modes", {})
     for mode in [] if args.report_only else args.modes.split(","):
-        out = args.logs / topology.name / mode
+        out = args.logs / name / mode
         out.mkdir(parents=True, exist_ok=True)
         log = out / "steps.jsonl"
         log.unlink(missing_ok=True)
@@ -193,7 +204,8 @@ def harness_main(argv: list[str]) -> int:
                "--timeout-s", str(args.end_s + 240), "--", "python", str(Path(__file__).resolve()),
                "worker", "--adapter", mode, "--size", args.size, "--global-batch",
                str(args.global_batch), "--microbatches", str(args.microbatches), "--schedule",
-               args.schedule, "--end-s", str(args.end_s), "--steps-log", str(log)]  # fmt: skip
+               args.schedule, "--end-s", str(args.end_s), "--steps-log", str(log),
+               *(["--profile"] if args.profile else [])]  # fmt: skip
         print(f"[adapter-bench] adapter {mode}: {' '.join(cmd)}", flush=True)
         began = time.time()
         rc = subprocess.run(cmd, cwd=REPO, check=False).returncode
