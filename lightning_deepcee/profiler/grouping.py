@@ -278,7 +278,8 @@ def network_distances(bandwidth_bytes_per_s: npt.ArrayLike) -> npt.NDArray[np.fl
     off_diagonal = ~np.eye(size, dtype=bool)
     finite = symmetric[off_diagonal & np.isfinite(symmetric)]
     cap = float(finite.max()) if finite.size else 1.0
-    log_bw = np.log(np.where(np.isinf(symmetric), cap, symmetric))
+    with np.errstate(divide="ignore"):  # the diagonal (and a dead link) has 0 bytes/s: -inf
+        log_bw = np.log(np.where(np.isinf(symmetric), cap, symmetric))
     np.fill_diagonal(log_bw, -np.inf)
     best = log_bw.max(axis=1)
     distance = np.maximum(best[:, None], best[None, :]) - log_bw

@@ -16,30 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_deepcee.planner.rows import split_rows
+
 __all__ = ["Piece", "Router", "StageLayout", "split_rows"]
-
-
-def split_rows(num_rows: int, shares: Sequence[float]) -> list[tuple[int, int]]:
-    """Contiguous row ranges ``[start, end)`` for ``shares`` of ``num_rows`` rows.
-
-    Largest-remainder rounding: the counts sum to ``num_rows`` and depend only on the inputs,
-    so every rank computes the same split.
-    """
-    if num_rows < 0:
-        raise ValueError(f"num_rows must be >= 0, got {num_rows}")
-    if not shares or any(s < 0 for s in shares) or sum(shares) <= 0:
-        raise ValueError(f"shares must be non-negative with a positive sum, got {list(shares)}")
-    total = float(sum(shares))
-    exact = [num_rows * s / total for s in shares]
-    counts = [int(x) for x in exact]
-    order = sorted(range(len(shares)), key=lambda i: (-(exact[i] - counts[i]), i))
-    for i in order[: num_rows - sum(counts)]:
-        counts[i] += 1
-    ranges, start = [], 0
-    for c in counts:
-        ranges.append((start, start + c))
-        start += c
-    return ranges
 
 
 @dataclass(frozen=True, slots=True)

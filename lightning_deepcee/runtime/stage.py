@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_deepcee.planner.rows import split_sizes
+
 __all__ = [
     "PipelineSpec",
     "Stage",
@@ -186,19 +188,6 @@ def build_stage(
         parent = module.get_submodule(parent_name) if parent_name else module
         setattr(parent, attr, nn.Identity())
     return Stage(stage_index, len(ranges), (start, end), blocks[start:end])
-
-
-def split_sizes(batch_size: int, num_microbatches: int) -> list[int]:
-    """Sizes of ``num_microbatches`` pieces of a batch, as even as possible (larger first)."""
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    if batch_size < num_microbatches:
-        raise ValueError(
-            f"A batch of {batch_size} samples cannot be split into {num_microbatches} "
-            "micro-batches; lower num_microbatches or raise the batch size."
-        )
-    base, extra = divmod(batch_size, num_microbatches)
-    return [base + (1 if i < extra else 0) for i in range(num_microbatches)]
 
 
 def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:

@@ -141,6 +141,42 @@ def test_shares_proportional_to_speed_balance_a_stage() -> None:
     )
 
 
+def test_stage_cost_uses_the_runtime_whole_rows() -> None:
+    """A 3-row micro-batch shared ~0.49 / 0.51 runs 1 and 2 rows (the runtime's split_rows)."""
+    profile = make_profile(speeds=[1.0, 1.0], num_blocks=2)
+    stage = [StagePlan(block_range=(0, 2), ranks=(0, 1), batch_shares=(0.49, 0.51))]
+    # Two blocks of 1 s per sample each: the device with 2 rows takes 4 s, not 0.51 x 3 x 2.
+    assert stage_costs(profile, stage, microbatch_size=3).forward_s[0] == pytest.approx(4.0)
+    assert stage_costs(profile, stage, microbatch_size=6).forward_s[0] == pytest.approx(6.0)
+    # A mean of 2.5 rows is micro-batches of 3 and 2 (split_sizes), half each: (4 + 2) / 2.
+    assert stage_costs(profile, stage, microbatch_size=2.5).forward_s[0] == pytest.approx(3.0)
+    # Step: 16 micro-batches of 3 rows lose to 8 of 6 rows on this stage, unlike continuous shares.
+    assert (
+        predict(profile, stage, "1f1b", 16, 48).step_time_s
+        > predict(profile, stage, "1f1b", 8, 48).step_time_s
+    )
+
+
+def test_device_without_rows_costs_nothing() -> None:
+    """Three devices share a 2-row micro-batch: one gets no row, and pays no fixed cost."""
+    profile = make_profile(speeds=[1.0, 1.0, 0.1], num_blocks=1, fixed_fraction=0.5)
+    stage = [StagePlan(block_range=(0, 1), ranks=(0, 1, 2), batch_shares=(0.45, 0.45, 0.1))]
+    # Devices 0 and 1 get a row each: fixed 0.5 + 1 row x 0.5 per row = 1 s; device 2 idle.
+    assert stage_costs(profile, stage, microbatch_size=2).forward_s[0] == pytest.approx(1.0)
+
+
+def test_transfer_follows_whole_rows() -> None:
+    """Rows cross between groups exactly as the runtime routes them."""
+    profile = make_profile(speeds=[1.0] * 4, num_blocks=2, bandwidth=1e3)
+    sender = StagePlan(block_range=(0, 1), ranks=(0, 1), batch_shares=(0.49, 0.51))
+    receiver = StagePlan(block_range=(1, 2), ranks=(2, 3), batch_shares=(0.51, 0.49))
+    # 3 rows of 1000 B: sender rows 0 | 1-2, receiver rows 0-1 | 2. Device 1 sends row 1 to
+    # device 2 and row 2 to device 3: 2000 B serialised = 2 s.
+    costs = stage_costs(profile, [sender, receiver], microbatch_size=3)
+    assert costs.send_forward_s == pytest.approx((2.0,))
+    assert costs.send_backward_s == pytest.approx((2.0,))
+
+
 def test_shares_bounded_by_memory() -> None:
     profile = make_profile(speeds=[1.0, 3.0], num_blocks=2, activation_bytes=100, memory_bytes=800)
     # Each device holds in_flight * mb * share * 200 B/sample; memory 800 B caps a share at 1/2.
