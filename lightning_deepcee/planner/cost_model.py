@@ -11,30 +11,29 @@ and a list of :class:`~lightning_deepcee.planner.plan.StagePlan` into per-stage 
   profiles) this is linear. The fixed part is what makes many tiny micro-batches slow: the planner
   sees it and picks fewer, larger ones (or no pipeline) where dispatch dominates.
 - **Asymmetric data parallelism.** A stage shared by several devices takes, for each micro-batch,
-  the maximum over its devices of ``fixed_d + rows_d * per_sample_s[d]`` (a device with no rows
-  does nothing): devices run their rows in parallel and the stage is done when the slowest is.
-  ``rows_d`` are the whole rows the runtime gives each device
-  (:func:`~lightning_deepcee.planner.rows.split_rows` of each micro-batch of
-  :func:`~lightning_deepcee.planner.rows.split_sizes`), not ``share_d * microbatch_size``: a
-  3-row micro-batch shared 0.49 / 0.51 runs 1 and 2 rows, a stage 33% slower than the
-  continuous shares say (on the lab such a plan ran at half its predicted speed). Shares
+  the maximum over its devices of ``fixed_d + share_d * microbatch_size * per_sample_s[d]``:
+  devices run their rows in parallel and the stage is done when the slowest is. Shares
   proportional to speed (whole F+B+W time per sample at the measured size) make every device
-  finish together (see :func:`speed_shares`), as far as whole rows allow.
+  finish together (see :func:`speed_shares`). Rows are whole samples: the runtime rounds each
+  micro-batch towards the shares of the whole step
+  (:func:`~lightning_deepcee.planner.rows.split_step_rows`), so ``share_d * microbatch_size`` is
+  each device's *mean* rows per micro-batch, exact over the step to within one row. A device
+  whose mean is below one row holds a row in that fraction of the micro-batches and pays its
+  fixed cost only then (``min(1, rows) * fixed_d``).
 - **Activation transfers.** Between consecutive stages a micro-batch's boundary activation
   (``activation_bytes`` of the sending stage's last block, per sample, times the micro-batch size)
-  moves once forward and its gradient once backward. Rows are laid out by the same whole row counts
-  on both sides, so sender ``i`` talks to receiver ``j`` only where their row intervals overlap;
-  each such pair costs ``latency_ij + overlap_bytes / bandwidth_ij``. A device's messages are
-  serialised (it sends or receives them one after another), and the hop takes the maximum over
-  devices of that sum. With one device per stage this is exactly ``ClusterProfile.transfer_time_s``;
-  with several it is conservative, since concurrent messages on distinct links are not overlapped.
-  Messages between two *network groups* (:func:`~lightning_deepcee.profiler.group_by_network`) share
-  the WAN link between them: their bytes together take at least ``bytes / capacity``, where the
-  capacity is the median pair measured between the two groups (the profiler measures those pairs one
-  at a time, so each is a reading of the whole WAN link; the fastest reading carries the shaper's
-  burst: 3.2 MB/s on a 2.5 MB/s link, and the lab's steps then took 25% longer per message than
-  predicted). Two cloud devices sending halves of a micro-batch to two edge devices take as long as
-  one device sending all of it.
+  moves once forward and its gradient once backward. Rows are laid out by shares on both sides, so
+  sender ``i`` talks to receiver ``j`` only where their row intervals overlap; each such pair costs
+  ``latency_ij + overlap_bytes / bandwidth_ij``. A device's messages are serialised (it sends or
+  receives them one after another), and the hop takes the maximum over devices of that sum. With one
+  device per stage this is exactly ``ClusterProfile.transfer_time_s``; with several it is
+  conservative, since concurrent messages on distinct links are not overlapped. Messages between two
+  *network groups* (:func:`~lightning_deepcee.profiler.group_by_network`) share the WAN link between
+  them: their bytes together take at least ``bytes / capacity``, where the capacity is the median
+  pair measured between the two groups (the profiler measures those pairs one at a time, so each is
+  a reading of the whole WAN link; the fastest reading carries the shaper's burst: 3.2 MB/s on a 2.5
+  MB/s link, and the lab's steps then took 25% longer per message than predicted). Two cloud devices
+  sending halves of a micro-batch to two edge devices take as long as one device sending all of it.
 - **Pipeline.** The schedule is generated, lowered with one simulated rank per stage, validated
   and simulated (:mod:`lightning_deepcee.schedule.simulate`); the simulator overlaps transfers
   with compute exactly as far as the schedule order allows.
@@ -63,7 +62,6 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_deepcee.planner.plan import StagePlan
-from lightning_deepcee.planner.rows import split_rows
 from lightning_deepcee.profiler.data import ClusterProfile
 from lightning_deepcee.profiler.grouping import group_by_network
 from lightning_deepcee.schedule.actions import ActionKind
@@ -460,78 +458,49 @@ def stage_costs(
     return _stage_costs(_arrays(profile), stages, microbatch_size)
 
 
-def _microbatch_sizes(b: float) -> list[tuple[int, float]]:
-    """``(rows, weight)`` of the micro-batch sizes behind a mean size ``b``.
-
-    :func:`~lightning_deepcee.planner.rows.split_sizes` makes sizes ``floor(b)`` and
-    ``floor(b) + 1``; the weights are their fractions of the micro-batches. A mean below one row
-    (continuous callers) is kept as it is.
-    """
-    low = math.floor(b + 1e-9)
-    if low < 1:
-        return [(0, 1.0)]
-    extra = b - low
-    if extra < 1e-9:
-        return [(low, 1.0)]
-    return [(low, 1.0 - extra), (low + 1, extra)]
-
-
-def _row_shares(shares: Sequence[float], rows: int) -> tuple[npt.NDArray[np.float64], Array]:
-    """Whole rows per device of a ``rows``-row micro-batch, and those rows as fractions.
-
-    The runtime's largest-remainder split (:func:`~lightning_deepcee.planner.rows.split_rows`);
-    ``rows == 0`` (a mean micro-batch below one row) keeps the continuous shares.
-    """
-    if rows == 0:
-        fractions = np.asarray(shares, dtype=np.float64)
-        return fractions, fractions
-    if len(shares) == 1:
-        return np.array([float(rows)]), np.ones(1)
-    counts = np.array([end - start for start, end in split_rows(rows, shares)], dtype=np.float64)
-    return counts, counts / rows
-
-
 def _stage_costs(arrays: _Arrays, stages: Sequence[StagePlan], b: float) -> StageCosts:
     forward: list[float] = []
     backward_input: list[float] = []
     backward_weight: list[float] = []
     activation: list[float] = []
-    sizes = _microbatch_sizes(b)
-    # Per stage and micro-batch size: the rows of each device and those rows as fractions.
-    split = [[_row_shares(stage.batch_shares, rows) for rows, _ in sizes] for stage in stages]
-    for stage, stage_split in zip(stages, split, strict=True):
+    for stage in stages:
         index = np.asarray(stage.ranks)
+        rows = np.asarray(stage.batch_shares) * b  # mean rows per micro-batch (split_step_rows)
+        active = np.minimum(rows, 1.0)  # below one row: a row in that fraction of micro-batches
         start, end = stage.block_range
         for out, slope, fixed in (
             (forward, arrays.forward, arrays.forward_fixed),
             (backward_input, arrays.backward_input, arrays.backward_input_fixed),
             (backward_weight, arrays.backward_weight, arrays.backward_weight_fixed),
         ):
-            fixed_s = fixed[index, end] - fixed[index, start]
-            per_row = slope[index, end] - slope[index, start]
-            seconds = 0.0
-            for (rows, weight), (counts, _) in zip(sizes, stage_split, strict=True):
-                if rows == 0:  # continuous: share x mean size
-                    counts = counts * b
-                busy = np.where(counts > 0, fixed_s + counts * per_row, 0.0)
-                seconds += weight * float(busy.max())
-            out.append(seconds)
+            seconds = active * (fixed[index, end] - fixed[index, start]) + rows * (
+                slope[index, end] - slope[index, start]
+            )
+            out.append(float(seconds.max()))
         activation.append(arrays.activation_bytes(stage.block_range) * b)
     send_forward, send_backward = [], []
-    for s, (sender, receiver) in enumerate(itertools.pairwise(stages)):
-        per_sample = float(arrays.activation[sender.block_range[1] - 1])
-        forward_s = backward_s = 0.0
-        for k, (rows, weight) in enumerate(sizes):
-            num_bytes = per_sample * (rows or b)
-            left, right = split[s][k][1], split[s + 1][k][1]
-            forward_s += weight * _transfer(
-                arrays, sender.ranks, left, receiver.ranks, right, num_bytes
+    for sender, receiver in itertools.pairwise(stages):
+        num_bytes = float(arrays.activation[sender.block_range[1] - 1]) * b
+        send_forward.append(
+            _transfer(
+                arrays,
+                sender.ranks,
+                sender.batch_shares,
+                receiver.ranks,
+                receiver.batch_shares,
+                num_bytes,
             )
-            backward_s += weight * _transfer(
-                arrays, receiver.ranks, right, sender.ranks, left, num_bytes
+        )
+        send_backward.append(
+            _transfer(
+                arrays,
+                receiver.ranks,
+                receiver.batch_shares,
+                sender.ranks,
+                sender.batch_shares,
+                num_bytes,
             )
-        send_forward.append(forward_s)
-        send_backward.append(backward_s)
+        )
     return StageCosts(
         forward_s=tuple(forward),
         backward_input_s=tuple(backward_input),

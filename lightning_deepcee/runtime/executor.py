@@ -69,7 +69,7 @@ class StepStats:
 @dataclass
 class _MicroBatchState:
     batch: Any = None
-    full_rows: int = 0
+    index: int = 0
     num_rows: int = 0
     weight: float = 1.0
     input: torch.Tensor | None = None
@@ -130,7 +130,8 @@ class PipelineExecutor:
         ``total_rows`` is the step's sample count over all replicas, the loss denominator.
         Gradients accumulate into the stage parameters' ``.grad``.
         """
-        states = [self._state(mb, total_rows) for mb in microbatches]
+        self.router.begin_step([batch_size_of(mb) for mb in microbatches])
+        states = [self._state(k, mb, total_rows) for k, mb in enumerate(microbatches)]
         stats = StepStats()
         start = time.perf_counter()
         self.transport.records.clear()
@@ -170,19 +171,19 @@ class PipelineExecutor:
             if st.num_rows == 0:
                 continue
             if action.kind == K.RECV_F:
-                sources += [p.peer for p in self.router.prev_pieces(st.full_rows)]
+                sources += [p.peer for p in self.router.prev_pieces(st.index)]
             elif action.kind == K.RECV_B:
-                sources += [p.peer for p in self.router.next_pieces(st.full_rows)]
+                sources += [p.peer for p in self.router.next_pieces(st.index)]
         return sources
 
-    def _state(self, microbatch: Any, total_rows: int) -> _MicroBatchState:
+    def _state(self, index: int, microbatch: Any, total_rows: int) -> _MicroBatchState:
         rows = batch_size_of(microbatch)
-        start, end = self.router.my_rows(rows)
+        start, end = self.router.my_rows(index)
         local = microbatch
         if (start, end) != (0, rows):
             local = split_batch(microbatch, [start, end - start, rows - end])[1]
         return _MicroBatchState(
-            batch=local, full_rows=rows, num_rows=end - start, weight=(end - start) / total_rows
+            batch=local, index=index, num_rows=end - start, weight=(end - start) / total_rows
         )
 
     def _params(self) -> Iterator[torch.nn.Parameter]:
@@ -198,21 +199,21 @@ class PipelineExecutor:
         if kind == K.F:
             return self._forward(st, forward_context)
         if kind == K.RECV_F:
-            x = self._gather(self.router.prev_pieces(st.full_rows), self.stage.stage_index - 1)
+            x = self._gather(self.router.prev_pieces(st.index), self.stage.stage_index - 1)
             st.input = x.requires_grad_(torch.is_grad_enabled() and x.is_floating_point())
         elif kind == K.SEND_F:
             assert st.output is not None
-            self._scatter(st.output, self.router.next_pieces(st.full_rows))
+            self._scatter(st.output, self.router.next_pieces(st.index))
             if not torch.is_grad_enabled():
                 st.output = None
         elif kind == K.RECV_B:
             st.output_grad = self._gather(
-                self.router.next_pieces(st.full_rows), self.stage.stage_index + 1
+                self.router.next_pieces(st.index), self.stage.stage_index + 1
             )
         elif kind == K.SEND_B:
             assert st.input is not None
             grad = st.input_grad if st.input_grad is not None else torch.zeros_like(st.input)
-            self._scatter(grad, self.router.prev_pieces(st.full_rows))
+            self._scatter(grad, self.router.prev_pieces(st.index))
             st.input_grad = None
             st.input = None
         elif kind == K.BW:

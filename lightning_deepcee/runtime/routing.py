@@ -1,11 +1,13 @@
 """Row routing between pipeline stages that several devices share (asymmetric data parallelism).
 
 Every micro-batch is a block of rows. Inside stage ``s`` the devices split each micro-batch into
-contiguous row ranges in proportion to their batch shares (the planner makes shares proportional
-to speed, so a fast device takes more rows). Between two stages a sender passes each receiver
-exactly the rows where their ranges overlap; the receiver concatenates the pieces in row order.
-Gradients travel back along the same pieces. Both ends compute the overlaps from the same sizes
-and shares, so no message carries routing metadata beyond the shape header.
+contiguous row ranges in proportion to their batch shares (the planner makes shares proportional to
+speed, so a fast device takes more rows), rounded to whole rows so that over the step each device
+holds its share to within one row (:func:`~lightning_deepcee.planner.rows.split_step_rows`).
+Between two stages a sender passes each receiver exactly the rows where their ranges overlap; the
+receiver concatenates the pieces in row order. Gradients travel back along the same pieces. Both
+ends compute the overlaps from the same sizes and shares, so no message carries routing metadata
+beyond the shape header.
 
 A plain pipeline is the special case of one device per stage with share 1: every micro-batch
 travels whole to the one next device.
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_deepcee.planner.rows import split_rows
+from lightning_deepcee.planner.rows import split_rows, split_step_rows
 
 __all__ = ["Piece", "Router", "StageLayout", "split_rows"]
 
@@ -47,36 +49,53 @@ class Piece:
 
 
 class Router:
-    """Which rows this rank holds of each micro-batch, and which pieces it sends and receives."""
+    """Which rows this rank holds of each micro-batch, and which pieces it sends and receives.
+
+    :meth:`begin_step` lays out the step's micro-batches (their sizes); the other methods take a
+    micro-batch index into that step.
+    """
 
     def __init__(self, layouts: Sequence[StageLayout], stage_index: int, rank: int) -> None:
         self.layouts = list(layouts)
         self.stage_index = stage_index
         self.rank = rank
         self.position = self.layouts[stage_index].ranks.index(rank)
+        self._sizes: tuple[int, ...] | None = None
+        self._split: dict[int, list[list[tuple[int, int]]]] = {}
 
-    def _ranges(self, stage: int, num_rows: int) -> list[tuple[int, int]]:
-        return split_rows(num_rows, self.layouts[stage].shares)
+    def begin_step(self, sizes: Sequence[int]) -> None:
+        """Lay out the rows of a step whose micro-batches have ``sizes`` rows (kept while equal)."""
+        key = tuple(sizes)
+        if key == self._sizes:
+            return
+        near = range(max(self.stage_index - 1, 0), min(self.stage_index + 2, len(self.layouts)))
+        self._split = {s: split_step_rows(key, self.layouts[s].shares) for s in near}
+        self._sizes = key
 
-    def my_rows(self, num_rows: int) -> tuple[int, int]:
-        """This rank's rows of a micro-batch of ``num_rows`` rows."""
-        return self._ranges(self.stage_index, num_rows)[self.position]
+    def _ranges(self, stage: int, microbatch: int) -> list[tuple[int, int]]:
+        if self._sizes is None:
+            raise RuntimeError("Router.begin_step(sizes) must lay out the step first")
+        return self._split[stage][microbatch]
 
-    def _pieces(self, other_stage: int, num_rows: int) -> list[Piece]:
-        start, end = self.my_rows(num_rows)
+    def my_rows(self, microbatch: int) -> tuple[int, int]:
+        """This rank's rows ``[start, end)`` of micro-batch ``microbatch`` of the step."""
+        return self._ranges(self.stage_index, microbatch)[self.position]
+
+    def _pieces(self, other_stage: int, microbatch: int) -> list[Piece]:
+        start, end = self.my_rows(microbatch)
         pieces = []
         for peer, (a, b) in zip(
-            self.layouts[other_stage].ranks, self._ranges(other_stage, num_rows), strict=True
+            self.layouts[other_stage].ranks, self._ranges(other_stage, microbatch), strict=True
         ):
             lo, hi = max(a, start), min(b, end)
             if hi > lo:
                 pieces.append(Piece(peer, lo - start, hi - start))
         return pieces
 
-    def next_pieces(self, num_rows: int) -> list[Piece]:
+    def next_pieces(self, microbatch: int) -> list[Piece]:
         """Pieces of this rank's rows exchanged with the next stage (activations out, grads in)."""
-        return self._pieces(self.stage_index + 1, num_rows)
+        return self._pieces(self.stage_index + 1, microbatch)
 
-    def prev_pieces(self, num_rows: int) -> list[Piece]:
+    def prev_pieces(self, microbatch: int) -> list[Piece]:
         """Pieces of this rank's rows exchanged with the previous stage (inputs in, grads out)."""
-        return self._pieces(self.stage_index - 1, num_rows)
+        return self._pieces(self.stage_index - 1, microbatch)

@@ -18,6 +18,7 @@ from lightning_deepcee.planner.cost_model import (
     transfer_time_s,
 )
 from lightning_deepcee.planner.plan import StagePlan
+from lightning_deepcee.planner.rows import split_sizes, split_step_rows
 from lightning_deepcee.profiler.data import ClusterProfile, DeviceProfile
 
 
@@ -141,40 +142,49 @@ def test_shares_proportional_to_speed_balance_a_stage() -> None:
     )
 
 
-def test_stage_cost_uses_the_runtime_whole_rows() -> None:
-    """A 3-row micro-batch shared ~0.49 / 0.51 runs 1 and 2 rows (the runtime's split_rows)."""
-    profile = make_profile(speeds=[1.0, 1.0], num_blocks=2)
-    stage = [StagePlan(block_range=(0, 2), ranks=(0, 1), batch_shares=(0.49, 0.51))]
-    # Two blocks of 1 s per sample each: the device with 2 rows takes 4 s, not 0.51 x 3 x 2.
-    assert stage_costs(profile, stage, microbatch_size=3).forward_s[0] == pytest.approx(4.0)
-    assert stage_costs(profile, stage, microbatch_size=6).forward_s[0] == pytest.approx(6.0)
-    # A mean of 2.5 rows is micro-batches of 3 and 2 (split_sizes), half each: (4 + 2) / 2.
-    assert stage_costs(profile, stage, microbatch_size=2.5).forward_s[0] == pytest.approx(3.0)
-    # Step: 16 micro-batches of 3 rows lose to 8 of 6 rows on this stage, unlike continuous shares.
-    assert (
-        predict(profile, stage, "1f1b", 16, 48).step_time_s
-        > predict(profile, stage, "1f1b", 8, 48).step_time_s
-    )
+@pytest.mark.parametrize(
+    ("shares", "global_batch", "m"),
+    [
+        ((0.49, 0.51), 48, 16),
+        ((0.2, 0.8), 30, 10),
+        ((0.45, 0.45, 0.1), 32, 16),
+        ((0.3, 0.3, 0.4), 50, 7),
+    ],
+)
+def test_stage_cost_is_the_step_mean_of_the_runtime_rows(
+    shares: tuple[float, ...], global_batch: int, m: int
+) -> None:
+    """The stage cost is the busiest device's mean time per micro-batch over the rows it runs.
+
+    The runtime rounds every micro-batch to whole rows towards the step's shares
+    (``split_step_rows``); the model's per-micro-batch stage time must match the busiest
+    device's mean over the step, to within one row spread over the micro-batches.
+    """
+    speeds = [1.0, 0.5, 0.25][: len(shares)]
+    profile = make_profile(speeds=speeds, num_blocks=1, fixed_fraction=0.25)
+    stage = [StagePlan(block_range=(0, 1), ranks=tuple(range(len(shares))), batch_shares=shares)]
+    predicted = stage_costs(profile, stage, microbatch_size=global_batch / m).forward_s[0]
+    fixed = [0.25 / s for s in speeds]  # forward: a quarter fixed, the rest per row
+    per_row = [0.75 / s for s in speeds]
+    split = split_step_rows(split_sizes(global_batch, m), shares)
+    busy = []
+    for d in range(len(shares)):
+        rows = [end - start for start, end in (ranges[d] for ranges in split)]
+        busy.append(sum(fixed[d] + k * per_row[d] for k in rows if k > 0) / m)
+    one_row = max(f + r for f, r in zip(fixed, per_row, strict=True)) / m
+    assert predicted == pytest.approx(max(busy), abs=one_row)
 
 
-def test_device_without_rows_costs_nothing() -> None:
-    """Three devices share a 2-row micro-batch: one gets no row, and pays no fixed cost."""
+def test_device_below_one_row_pays_its_fixed_cost_only_when_it_has_a_row() -> None:
+    """Three devices share 2-row micro-batches; the slow one holds a row in about 1 of 10."""
     profile = make_profile(speeds=[1.0, 1.0, 0.1], num_blocks=1, fixed_fraction=0.5)
-    stage = [StagePlan(block_range=(0, 1), ranks=(0, 1, 2), batch_shares=(0.45, 0.45, 0.1))]
-    # Devices 0 and 1 get a row each: fixed 0.5 + 1 row x 0.5 per row = 1 s; device 2 idle.
-    assert stage_costs(profile, stage, microbatch_size=2).forward_s[0] == pytest.approx(1.0)
-
-
-def test_transfer_follows_whole_rows() -> None:
-    """Rows cross between groups exactly as the runtime routes them."""
-    profile = make_profile(speeds=[1.0] * 4, num_blocks=2, bandwidth=1e3)
-    sender = StagePlan(block_range=(0, 1), ranks=(0, 1), batch_shares=(0.49, 0.51))
-    receiver = StagePlan(block_range=(1, 2), ranks=(2, 3), batch_shares=(0.51, 0.49))
-    # 3 rows of 1000 B: sender rows 0 | 1-2, receiver rows 0-1 | 2. Device 1 sends row 1 to
-    # device 2 and row 2 to device 3: 2000 B serialised = 2 s.
-    costs = stage_costs(profile, [sender, receiver], microbatch_size=3)
-    assert costs.send_forward_s == pytest.approx((2.0,))
-    assert costs.send_backward_s == pytest.approx((2.0,))
+    shares = (0.45 / 0.95, 0.45 / 0.95, 0.05 / 0.95)
+    stage = [StagePlan(block_range=(0, 1), ranks=(0, 1, 2), batch_shares=shares)]
+    # Device 2 (forward: 5 s fixed + 5 s per row) averages 2 x 0.053 rows: 0.105 x (5 + 5) s;
+    # a fixed cost in every micro-batch would make it 5.5 s.
+    assert stage_costs(profile, stage, microbatch_size=2).forward_s[0] == pytest.approx(
+        2 * shares[2] * 10.0
+    )
 
 
 def test_shares_bounded_by_memory() -> None:
