@@ -184,7 +184,10 @@ def measure_blocks(
       per-call cost a smaller micro-batch cannot shrink, shared out as ``fixed_s`` in proportion
       to each block's time at the small size (one fit over the sum: per-block lines through two
       noisy points often cross zero, and then small micro-batches look free). Two samples at
-      least, for BatchNorm's sake; micro-batches of one or two samples get no ``fixed_s``.
+      least, for BatchNorm's sake; micro-batches of one or two samples get no ``fixed_s``. The
+      two sizes also bound each other (:func:`_clamp_stalls`): an affine cost at ``size`` rows
+      is at most ``size / small`` times its cost at ``small`` rows, so a call that a CPU quota
+      stalled in every repeat is recognised and cut back.
     - **Sustained speed.** The fastest calls miss throttling that only bites after a while (a
       cgroup CPU quota allows a burst, then stalls the process until the next period). Full
       passes over all blocks run back to back for ``sustain_s`` seconds (two at least); if they
@@ -224,6 +227,7 @@ def measure_blocks(
                 )
         fixed = []
         if small_fastest is not None:
+            fastest, small_fastest = _clamp_stalls(fastest, small_fastest, size / small)
             fixed = _fixed_costs(_totals(fastest), _totals(small_fastest), size, small)
         factor = 1.0
         burst = sum(_totals(fastest))
@@ -248,6 +252,32 @@ def measure_blocks(
         fixed_s=tuple(value * factor for value in fixed),
         sustained_factor=factor,
     )
+
+
+def _clamp_stalls(
+    big: Sequence[tuple[float, float, float]],
+    small: Sequence[tuple[float, float, float]],
+    ratio: float,
+) -> tuple[list[tuple[float, float, float]], list[tuple[float, float, float]]]:
+    """Bound each (block, F/B/W) time at the big size by ``ratio`` x its time at the small size.
+
+    A cost that is affine in the rows with a non-negative intercept never takes more than
+    ``ratio = size / small`` times its small-batch time, and fewer rows never take longer. A
+    fastest time above that bound is a quota stall that hit the call in every repeat: on the
+    lab's end devices one block's B measured 624 ms against 40-50 ms for its neighbours. Such an
+    outlier also inflates the burst sum that ``sustained_factor`` divides by, so every *other*
+    block of the device came out 31% too fast, and plans with stages on those devices ran 20-50%
+    slower than predicted.
+    """
+    clamped = [
+        (min(bf, ratio * sf), min(bb, ratio * sb), min(bw, ratio * sw))
+        for (bf, bb, bw), (sf, sb, sw) in zip(big, small, strict=True)
+    ]
+    small_clamped = [
+        (min(sf, bf), min(sb, bb), min(sw, bw))
+        for (bf, bb, bw), (sf, sb, sw) in zip(clamped, small, strict=True)
+    ]
+    return clamped, small_clamped
 
 
 def _totals(times: Sequence[tuple[float, float, float]]) -> list[float]:

@@ -99,6 +99,30 @@ def test_fixed_cost_and_sustained_factor() -> None:
     assert measure_blocks(_mlp(), torch.randn(2, 8), repeats=1, warmup=0).fixed_s == ()
 
 
+class _StallsAtFullSize(nn.Module):
+    """A block whose every call on the full micro-batch stalls (a quota period spent)."""
+
+    def __init__(self, rows: int, stall_s: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.rows, self.stall_s = rows, stall_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(x) == self.rows:
+            time.sleep(self.stall_s)
+        return self.linear(x)
+
+
+def test_a_block_stalled_in_every_repeat_is_bounded_by_its_small_size_time() -> None:
+    """The fastest of the repeats still carries the stall; the small size bounds it (x4)."""
+    blocks: list[nn.Module] = [_StallsAtFullSize(16, 0.05), _Sleepy(0.002)]
+    t = measure_blocks(blocks, torch.randn(16, 8), repeats=3, warmup=1, sustain_s=0.0)
+    assert t.forward_s[0] < 0.02  # 4 x the unstalled 4-row forward, far below the 50 ms stall
+    # The stall no longer inflates the burst sum the sustained factor divides by.
+    s = measure_blocks(blocks, torch.randn(16, 8), repeats=3, warmup=1, sustain_s=0.3)
+    assert s.sustained_factor > 2.0  # the sustained passes do pay the stall
+
+
 class _Embed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
