@@ -20,6 +20,15 @@ and a list of :class:`~lightning_deepcee.planner.plan.StagePlan` into per-stage 
   each device's *mean* rows per micro-batch, exact over the step to within one row. A device
   whose mean is below one row holds a row in that fraction of the micro-batches and pays its
   fixed cost only then (``min(1, rows) * fixed_d``).
+- **Runtime overhead.** Every executor action (a compute call, a send, a receive) costs the
+  device one mean per-call fixed cost (its measured ``fixed_s`` over all blocks, per F, B or W
+  call) on top of its compute: per micro-batch, F and B with their receive and send (none across
+  the pipeline's ends) and W. Negligible on a fast device; on the lab's end devices (12% of a
+  core) the executor's dispatch, the B/W split and the message handling took about 10 ms of
+  burst CPU per micro-batch, 80 ms of wall time, which block compute alone does not show: plans
+  with many micro-batch actions there ran 24-52% slower than predicted without this term and
+  within 15% with it (nine lab runs, no fitted constant). With ``fixed_s = 0`` (hand-written
+  profiles) there is no overhead. A merged BW action is charged as B and W (one action more).
 - **Activation transfers.** Between consecutive stages a micro-batch's boundary activation
   (``activation_bytes`` of the sending stage's last block, per sample, times the micro-batch size)
   moves once forward and its gradient once backward. Rows are laid out by shares on both sides, so
@@ -189,6 +198,11 @@ class _Arrays:
         self.forward, self.forward_fixed = split("forward_s")
         self.backward_input, self.backward_input_fixed = split("backward_input_s")
         self.backward_weight, self.backward_weight_fixed = split("backward_weight_s")
+        num_calls = 3 * max(fixed.shape[1], 1)
+        self.action_overhead = fixed.sum(axis=1) / num_calls
+        """Seconds each executor action costs a device beyond its compute: the device's mean
+        per-call fixed cost (its ``fixed_s`` over all blocks, per F, B or W call). See the module
+        docstring's *Runtime overhead*."""
         self.total = prefix(total / ref[:, None])
         """Prefix sums of F+B+W per sample *at the reference size* (fixed part included): the
         speed that batch shares and the compute-balanced partition use. The affine split of one
@@ -463,19 +477,23 @@ def _stage_costs(arrays: _Arrays, stages: Sequence[StagePlan], b: float) -> Stag
     backward_input: list[float] = []
     backward_weight: list[float] = []
     activation: list[float] = []
-    for stage in stages:
+    last = len(stages) - 1
+    for s, stage in enumerate(stages):
         index = np.asarray(stage.ranks)
         rows = np.asarray(stage.batch_shares) * b  # mean rows per micro-batch (split_step_rows)
         active = np.minimum(rows, 1.0)  # below one row: a row in that fraction of micro-batches
         start, end = stage.block_range
-        for out, slope, fixed in (
-            (forward, arrays.forward, arrays.forward_fixed),
-            (backward_input, arrays.backward_input, arrays.backward_input_fixed),
-            (backward_weight, arrays.backward_weight, arrays.backward_weight_fixed),
+        # Executor actions per micro-batch: F with its receive and send, B with its receive and
+        # send (none across the pipeline's ends), W.
+        moves = int(s > 0) + int(s < last)
+        overhead = arrays.action_overhead[index]
+        for out, slope, fixed, actions in (
+            (forward, arrays.forward, arrays.forward_fixed, 1 + moves),
+            (backward_input, arrays.backward_input, arrays.backward_input_fixed, 1 + moves),
+            (backward_weight, arrays.backward_weight, arrays.backward_weight_fixed, 1),
         ):
-            seconds = active * (fixed[index, end] - fixed[index, start]) + rows * (
-                slope[index, end] - slope[index, start]
-            )
+            seconds = active * (fixed[index, end] - fixed[index, start] + actions * overhead)
+            seconds = seconds + rows * (slope[index, end] - slope[index, start])
             out.append(float(seconds.max()))
         activation.append(arrays.activation_bytes(stage.block_range) * b)
     send_forward, send_backward = [], []

@@ -96,6 +96,27 @@ def test_equal_stages_reproduce_analytic_numbers(p: int, m: int) -> None:
         assert zero_bubble.step_time_s == pytest.approx(3 * m + p - 1)
 
 
+def test_runtime_overhead_is_one_fixed_call_per_executor_action() -> None:
+    """A middle stage runs 3 F-side, 3 B-side and 1 W action per micro-batch; ends run fewer."""
+    profile = make_profile(speeds=[1.0, 0.25, 1.0], num_blocks=3, fixed_fraction=0.25)
+    # Device d's fixed cost is 0.25 s per block call / speed: 0.25 s, 1 s (the slow device), 0.25 s.
+    costs = stage_costs(profile, _pipeline(3, 1), microbatch_size=1)
+    per_row = [0.75, 3.0, 0.75]
+    fixed = [0.25, 1.0, 0.25]
+    f_actions, w_actions = [2, 3, 2], [1, 1, 1]
+    for s in range(3):
+        assert costs.forward_s[s] == pytest.approx(fixed[s] * (1 + f_actions[s]) + per_row[s])
+        assert costs.backward_input_s[s] == pytest.approx(costs.forward_s[s])
+        assert costs.backward_weight_s[s] == pytest.approx(
+            fixed[s] * (1 + w_actions[s]) + per_row[s]
+        )
+    # Without a measured fixed cost there is no overhead (hand-written profiles stay linear).
+    linear = make_profile(speeds=[1.0, 0.25, 1.0], num_blocks=3)
+    assert stage_costs(linear, _pipeline(3, 1), microbatch_size=1).forward_s == pytest.approx(
+        (1.0, 4.0, 1.0)
+    )
+
+
 def test_microbatch_size_scales_compute_linearly() -> None:
     profile = make_profile(speeds=[1.0, 1.0], num_blocks=2, reference_microbatch_size=4)
     costs = stage_costs(profile, _pipeline(2, 1), microbatch_size=8)
@@ -108,12 +129,14 @@ def test_fixed_cost_is_paid_once_per_microbatch() -> None:
     profile = make_profile(
         speeds=[1.0, 1.0], num_blocks=2, reference_microbatch_size=4, fixed_fraction=0.5
     )
+    # Every executor action also costs the mean per-call fixed cost (0.5 s): F with its send
+    # (stage 0) or receive (stage 1) is two actions, W one.
     at_reference = stage_costs(profile, _pipeline(2, 1), microbatch_size=4)
-    assert at_reference.forward_s == pytest.approx((1.0, 1.0))
+    assert at_reference.forward_s == pytest.approx((1.0 + 2 * 0.5, 1.0 + 2 * 0.5))
     doubled = stage_costs(profile, _pipeline(2, 1), microbatch_size=8)
-    assert doubled.forward_s == pytest.approx((1.5, 1.5))
+    assert doubled.forward_s == pytest.approx((1.5 + 2 * 0.5, 1.5 + 2 * 0.5))
     one = stage_costs(profile, _pipeline(2, 1), microbatch_size=1)
-    assert one.backward_weight_s == pytest.approx((0.625, 0.625))
+    assert one.backward_weight_s == pytest.approx((0.625 + 0.5, 0.625 + 0.5))
     # The same 16 samples in 16 micro-batches pay the fixed part 16 times: with it, a single
     # micro-batch on one device beats the 2-stage pipeline; without it, the pipeline wins.
     single = [StagePlan(block_range=(0, 2), ranks=(0,), batch_shares=(1.0,))]
@@ -164,7 +187,9 @@ def test_stage_cost_is_the_step_mean_of_the_runtime_rows(
     profile = make_profile(speeds=speeds, num_blocks=1, fixed_fraction=0.25)
     stage = [StagePlan(block_range=(0, 1), ranks=tuple(range(len(shares))), batch_shares=shares)]
     predicted = stage_costs(profile, stage, microbatch_size=global_batch / m).forward_s[0]
-    fixed = [0.25 / s for s in speeds]  # forward: a quarter fixed, the rest per row
+    # Forward: a quarter of the block's time is fixed, plus the F action's own overhead (one
+    # more fixed call; a single stage has no send or receive); the rest is per row.
+    fixed = [2 * 0.25 / s for s in speeds]
     per_row = [0.75 / s for s in speeds]
     split = split_step_rows(split_sizes(global_batch, m), shares)
     busy = []
@@ -180,10 +205,10 @@ def test_device_below_one_row_pays_its_fixed_cost_only_when_it_has_a_row() -> No
     profile = make_profile(speeds=[1.0, 1.0, 0.1], num_blocks=1, fixed_fraction=0.5)
     shares = (0.45 / 0.95, 0.45 / 0.95, 0.05 / 0.95)
     stage = [StagePlan(block_range=(0, 1), ranks=(0, 1, 2), batch_shares=shares)]
-    # Device 2 (forward: 5 s fixed + 5 s per row) averages 2 x 0.053 rows: 0.105 x (5 + 5) s;
-    # a fixed cost in every micro-batch would make it 5.5 s.
+    # Device 2 (forward: 5 s fixed, 5 s for the F action's overhead, 5 s per row) averages
+    # 2 x 0.053 rows: 0.105 x (5 + 5 + 5) s; fixed costs in every micro-batch would be 10.5 s.
     assert stage_costs(profile, stage, microbatch_size=2).forward_s[0] == pytest.approx(
-        2 * shares[2] * 10.0
+        2 * shares[2] * 15.0
     )
 
 
