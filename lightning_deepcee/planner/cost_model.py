@@ -20,14 +20,15 @@ and a list of :class:`~lightning_deepcee.planner.plan.StagePlan` into per-stage 
   each device's *mean* rows per micro-batch, exact over the step to within one row. A device
   whose mean is below one row holds a row in that fraction of the micro-batches and pays its
   fixed cost only then (``min(1, rows) * fixed_d``).
-- **Runtime overhead.** Every executor action (a compute call, a send, a receive) costs the
-  device one mean per-call fixed cost (its measured ``fixed_s`` over all blocks, per F, B or W
-  call) on top of its compute: per micro-batch, F and B with their receive and send (none across
-  the pipeline's ends) and W. Negligible on a fast device; on the lab's end devices (12% of a
-  core) the executor's dispatch, the B/W split and the message handling took about 10 ms of
-  burst CPU per micro-batch, 80 ms of wall time, which block compute alone does not show: plans
-  with many micro-batch actions there ran 24-52% slower than predicted without this term and
-  within 15% with it (nine lab runs, no fitted constant). With ``fixed_s = 0`` (hand-written
+- **Runtime overhead.** Every executor action (a compute call, a send, a receive) costs the device
+  one mean per-call fixed cost (its measured ``fixed_s`` over all blocks, per F, B or W call) on
+  top of its compute: per micro-batch, F and B with their receive and send (none across the
+  pipeline's ends) and W. Negligible on a fast device; on the lab's end devices (12% of a core) the
+  executor's dispatch, the B/W split and the message handling took about 10 ms of burst CPU per
+  micro-batch, 80 ms of wall time, which block compute alone does not show: plans with many
+  micro-batch actions there ran 24-52% slower than predicted without this term; with it nine such
+  runs re-predict within -15%..+4% (no fitted constant). The term is only as good as the measured
+  ``fixed_s``, which a short CPU-quota period makes noisy. With ``fixed_s = 0`` (hand-written
   profiles) there is no overhead. A merged BW action is charged as B and W (one action more).
 - **Activation transfers.** Between consecutive stages a micro-batch's boundary activation
   (``activation_bytes`` of the sending stage's last block, per sample, times the micro-batch size)
