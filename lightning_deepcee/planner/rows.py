@@ -37,23 +37,11 @@ def split_rows(num_rows: int, shares: Sequence[float]) -> list[tuple[int, int]]:
     """Contiguous row ranges ``[start, end)`` for ``shares`` of ``num_rows`` rows.
 
     Largest-remainder rounding: the counts sum to ``num_rows`` and depend only on the inputs,
-    so every rank computes the same split.
+    so every rank computes the same split. This is :func:`split_step_rows` of one micro-batch.
     """
     if num_rows < 0:
         raise ValueError(f"num_rows must be >= 0, got {num_rows}")
-    if not shares or any(s < 0 for s in shares) or sum(shares) <= 0:
-        raise ValueError(f"shares must be non-negative with a positive sum, got {list(shares)}")
-    total = float(sum(shares))
-    exact = [num_rows * s / total for s in shares]
-    counts = [int(x) for x in exact]
-    order = sorted(range(len(shares)), key=lambda i: (-(exact[i] - counts[i]), i))
-    for i in order[: num_rows - sum(counts)]:
-        counts[i] += 1
-    ranges, start = [], 0
-    for c in counts:
-        ranges.append((start, start + c))
-        start += c
-    return ranges
+    return split_step_rows([num_rows], shares)[0]
 
 
 def split_step_rows(sizes: Sequence[int], shares: Sequence[float]) -> list[list[tuple[int, int]]]:

@@ -25,11 +25,17 @@ def _decision(kind: str, link: tuple[int, int], step_bytes: int, new_bw: float) 
     )  # fmt: skip
 
 
-def test_a_split_applies_only_to_a_link_that_matters() -> None:
+def _two_microbatch_run(**adapter_args: Any) -> tuple[Any, Any, DynamicEnvironmentAdapter]:
+    """A 1F1B strategy of 2 micro-batches at step 20 and an adapter that knows that count."""
     strategy = _Strategy(schedule="1f1b", num_microbatches=2)
     trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=20)
-    adapter = DynamicEnvironmentAdapter(min_link_share=0.1)
+    adapter = DynamicEnvironmentAdapter(**adapter_args)
     adapter._base_microbatches = 2
+    return strategy, trainer, adapter
+
+
+def test_a_split_applies_only_to_a_link_that_matters() -> None:
+    strategy, trainer, adapter = _two_microbatch_run(min_link_share=0.1)
     # A LAN link: 1 MB at 50 MB/s is 20 ms of a 1 s step -> ignored, nothing changes.
     adapter._decide(trainer, strategy, [_decision("split", (0, 1), 1_000_000, 50e6)])
     assert strategy.num_microbatches == 2
@@ -48,10 +54,7 @@ def test_min_link_share_is_checked() -> None:
 
 
 def test_the_tuner_tries_finer_splits_after_a_split_and_stops_on_merge() -> None:
-    strategy = _Strategy(schedule="1f1b", num_microbatches=2)
-    trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=20)
-    adapter = DynamicEnvironmentAdapter(window=3)
-    adapter._base_microbatches = 2
+    strategy, trainer, adapter = _two_microbatch_run(window=3)
     adapter._decide(trainer, strategy, [_decision("split", (1, 2), 1_000_000, 1.25e6)])
     assert strategy.num_microbatches == 4 and adapter.tuner is not None and adapter.tuner.active
     # One settling step, then three at x2 (1.0 s): the tuner tries x3 (6 micro-batches).
