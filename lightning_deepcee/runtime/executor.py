@@ -54,6 +54,11 @@ class StepStats:
     """Every action run, as ``(action, start, end)`` in ``time.perf_counter()`` seconds (the
     monotonic clock, shared by the processes of one host): the measured counterpart of the
     simulator's timeline."""
+    cpu_s_by_kind: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """This thread's CPU seconds (``time.thread_time``) inside each action kind: on a device
+    held back by a CPU quota, wall time in an action is CPU plus stall, and only CPU is work."""
+    cpu_s: float = 0.0
+    """This thread's CPU seconds over the whole step (actions, and the work between them)."""
 
     @property
     def compute_s(self) -> float:
@@ -133,7 +138,7 @@ class PipelineExecutor:
         self.router.begin_step([batch_size_of(mb) for mb in microbatches])
         states = [self._state(k, mb, total_rows) for k, mb in enumerate(microbatches)]
         stats = StepStats()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         self.transport.records.clear()
         sources = self._sources(states) if self.transport.prefetch else []
         self.transport.begin_step(self._kind, sources)
@@ -142,7 +147,7 @@ class PipelineExecutor:
             st = states[action.microbatch]
             if st.num_rows == 0:
                 continue  # this rank holds no rows of the micro-batch: nothing to do or send
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 with record_function(f"deepcee:{action}"):
                     out = self._dispatch(action, st, forward_context)
@@ -154,12 +159,14 @@ class PipelineExecutor:
                 ) from exc
             t1 = time.perf_counter()
             stats.seconds_by_kind[action.kind.value] += t1 - t0
+            stats.cpu_s_by_kind[action.kind.value] += time.thread_time() - c0
             stats.timeline.append((action, t0, t1))
             if out is not None:
                 loss = out if loss is None else loss + out
         stats.seconds_by_kind["WAIT_SENDS"] += self.transport.wait_sends()
         self.transport.end_step()
         stats.wall_s = time.perf_counter() - start
+        stats.cpu_s = time.thread_time() - cpu_start
         self.last_stats = stats
         return loss
 

@@ -100,6 +100,13 @@ def _worker(
             assert record.seconds >= 0, record
         else:
             assert record.wire_s is None, record
+    # CPU per action kind: every stage ran F, the step's CPU covers its actions' CPU, and an
+    # action's CPU never exceeds its wall time (the main thread cannot run longer than that).
+    stats = ex.last_stats
+    assert stats is not None and stats.cpu_s_by_kind["F"] > 0
+    assert stats.cpu_s >= sum(stats.cpu_s_by_kind.values()) - 1e-3
+    for kind, cpu in stats.cpu_s_by_kind.items():
+        assert cpu <= stats.seconds_by_kind[kind] + 1e-3, (kind, cpu)
     # Devices sharing a stage sum their gradients (what the strategy's stage group does).
     # new_group is collective: every rank creates every group, in the same order.
     group = [dist.new_group(list(lay.ranks)) for lay in layouts][stage_index]
