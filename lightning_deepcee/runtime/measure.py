@@ -161,19 +161,14 @@ def measure_blocks(
     sample_batch: Any = None,
     repeats: int = 5,
     warmup: int = 2,
-    sustain_s: float = 3.0,
+    sustain_s: float = 0.5,
 ) -> BlockTimings:
     """Time forward, ``B`` and ``W`` of each block on one micro-batch, on ``sample_input.device``.
 
     Block ``i`` gets the output of block ``i-1`` (block 0 gets ``sample_input``). Each block runs
     ``warmup`` untimed then ``repeats`` timed iterations; the fastest is kept (the burst speed,
-    see below). On a CPU the calls are timed in CPU seconds of the process
-    (``time.process_time``), which a CPU-quota stall does not advance: the wall-clock fastest of
-    five calls still carried a stall whenever the quota was shorter than the call (a 10 ms CFS
-    period on the lab's end devices: 1.2 ms of CPU per period), and identical devices then
-    measured fixed costs of 9 and 220 ms. On an accelerator the calls are timed on the wall
-    clock after a synchronize. Backward starts from a random gradient of the block output's
-    shape, except for the last block when ``loss_fn`` is given: then its forward includes
+    see below). Backward starts from a random gradient of the block output's shape, except for
+    the last block when ``loss_fn`` is given: then its forward includes
     ``loss_fn(output, sample_batch)`` and its backward starts from that loss, as in the last
     pipeline stage.
 
@@ -198,11 +193,7 @@ def measure_blocks(
       passes over all blocks run back to back for ``sustain_s`` seconds (two at least); if they
       take longer than the burst times add up to, every figure is scaled up by that factor
       (``sustained_factor``): the fastest calls give each block's share, the sustained passes
-      the device's speed. ``sustain_s=0`` skips this. The window ends at a pass boundary, so its
-      wall time is off by up to one stall (most of a CFS period, 100 ms under Mininet and
-      Kubernetes CPU limits): with 0.5 s (two passes on the lab's cloud devices) identical
-      devices measured speeds 26% apart and the planner built plans on the error; 3 s (the
-      default) holds that to a few percent. (Charging only the sustained *work* and
+      the device's speed. ``sustain_s=0`` skips this. (Charging only the sustained *work* and
       running each action at burst speed was tried on the lab and predicted steps half as long
       as measured: a device under its quota on average still stalls whenever a burst of
       actions spends the period's budget, and those stalls sit on the pipeline's critical path.)
@@ -218,8 +209,7 @@ def measure_blocks(
     size = len(sample_input)
     with _RestoredState(blocks), torch.random.fork_rng(devices=rng_devices):
         inputs = _block_inputs(blocks, sample_input)
-        clock = time.process_time if device.type == "cpu" else time.perf_counter
-        fastest = _block_fastest(blocks, inputs, loss_fn, sample_batch, repeats, warmup, clock)
+        fastest = _block_fastest(blocks, inputs, loss_fn, sample_batch, repeats, warmup)
         small = max(2, size // 4)
         small_fastest = None
         if small < size:
@@ -227,7 +217,7 @@ def measure_blocks(
             small_inputs = [value[:small] for value in inputs]
             try:
                 small_fastest = _block_fastest(
-                    blocks, small_inputs, loss_fn, small_batch, repeats, warmup, clock
+                    blocks, small_inputs, loss_fn, small_batch, repeats, warmup
                 )
             except (RuntimeError, ValueError) as exc:  # a model that only takes its batch size
                 warnings.warn(
@@ -316,7 +306,6 @@ def _block_fastest(
     sample_batch: Any,
     repeats: int,
     warmup: int,
-    clock: Callable[[], float] = time.perf_counter,
 ) -> list[tuple[float, float, float]]:
     """Fastest (F, B, W) seconds of each block on its input in ``inputs`` (over ``repeats``).
 
@@ -333,7 +322,7 @@ def _block_fastest(
     for repeat in range(warmup + repeats):
         for index, block in enumerate(blocks):
             step_loss = loss_fn if index == last else None
-            timing = _time_block(block, inputs[index], index == 0, step_loss, sample_batch, clock)
+            timing = _time_block(block, inputs[index], index == 0, step_loss, sample_batch)
             if repeat >= warmup:
                 times[index].append(timing)
     fastest = [
@@ -450,36 +439,35 @@ def _time_block(
     is_first: bool,
     loss_fn: LossFn | None,
     sample_batch: Any,
-    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, float, float]:
-    """One F, B, W of ``block`` on ``value``: seconds of each, read on ``clock``."""
+    """One F, B, W of ``block`` on ``value``: seconds of each."""
     device = value.device
     needs_input_grad = not is_first and value.is_floating_point()
     x = value.detach().requires_grad_(needs_input_grad)
     params = [p for p in block.parameters() if p.requires_grad]
     _sync(device)
-    start = clock()
+    start = time.perf_counter()
     output = block(x)
     root = output if loss_fn is None else loss_fn(output, sample_batch)
     _sync(device)
-    forward_s = clock() - start
+    forward_s = time.perf_counter() - start
     if not root.requires_grad:  # no parameters and no input gradient: nothing to differentiate
         return forward_s, 0.0, 0.0
     grad = torch.randn_like(root) if loss_fn is None else None
     if not needs_input_grad:
-        start = clock()
+        start = time.perf_counter()
         torch.autograd.backward(root, grad)
         _sync(device)
-        return forward_s, 0.0, clock() - start
-    start = clock()
+        return forward_s, 0.0, time.perf_counter() - start
+    start = time.perf_counter()
     _, param_groups = stage_backward_input(
         [root], None if grad is None else [grad], [x], iter(params)
     )
     _sync(device)
-    mid = clock()
+    mid = time.perf_counter()
     stage_backward_weight(iter(params), param_groups)
     _sync(device)
-    return forward_s, mid - start, clock() - mid
+    return forward_s, mid - start, time.perf_counter() - mid
 
 
 # --------------------------------------------------------------------------------------------
