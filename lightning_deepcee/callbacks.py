@@ -27,6 +27,10 @@ __all__ = ["DynamicEnvironmentAdapter", "PipelineThroughputMonitor"]
 class PipelineThroughputMonitor(Callback):
     """Log ``deepcee/samples_per_s``, ``deepcee/tokens_per_s`` and per-stage times.
 
+    Per stage: ``stage{i}_compute_s`` (wall seconds in F/B/W), ``stage{i}_transfer_s`` (wall
+    seconds in sends and receives) and ``stage{i}_cpu_s`` (the executor thread's CPU seconds over
+    the step), all of the last step.
+
     Args:
         window_size: steps averaged for the rates (the first step, which includes warm-up, is
             skipped).
@@ -81,15 +85,18 @@ class PipelineThroughputMonitor(Callback):
                 metrics["deepcee/tokens_per_s"] = sum(self._tokens) / elapsed
         stats = strategy.last_step_stats
         local = torch.tensor(
-            [stats.compute_s, stats.transfer_s] if stats is not None else [0.0, 0.0],
+            [stats.compute_s, stats.transfer_s, stats.cpu_s] if stats is not None else [0.0] * 3,
             dtype=torch.float64,
             device=strategy.root_device,
         )
-        gathered = strategy.all_gather(local)  # (world, 2) on every rank: all ranks call it
+        gathered = strategy.all_gather(local)  # (world, 3) on every rank: all ranks call it
         if trainer.is_global_zero:
             for rank in range(min(strategy.num_stages, gathered.shape[0])):
                 metrics[f"deepcee/stage{rank}_compute_s"] = float(gathered[rank][0])
                 metrics[f"deepcee/stage{rank}_transfer_s"] = float(gathered[rank][1])
+                # The executor thread's CPU: compute_s far above it means the device stalled
+                # (a CPU quota, a noisy neighbour) rather than computed.
+                metrics[f"deepcee/stage{rank}_cpu_s"] = float(gathered[rank][2])
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 

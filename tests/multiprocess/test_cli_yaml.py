@@ -61,6 +61,8 @@ data: {{block_size: 16, batch_size: 6, max_chars: 20000}}
     rates = [float(r["deepcee/samples_per_s"]) for r in rows if r.get("deepcee/samples_per_s")]
     assert rates and all(r > 0 for r in rates)
     assert any(r.get("deepcee/stage1_transfer_s") for r in rows)
+    cpu = [float(r["deepcee/stage0_cpu_s"]) for r in rows if r.get("deepcee/stage0_cpu_s")]
+    assert cpu and all(c > 0 for c in cpu)
     assert any(r.get("val_loss") for r in rows)
 
     ckpts = list((tmp_path / "log" / "version_0" / "checkpoints").glob("*.ckpt"))
