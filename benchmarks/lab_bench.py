@@ -159,6 +159,9 @@ def _lightning_worker(args: argparse.Namespace) -> None:
                 kinds = sorted({k for step in window for k in step if k != "timeline"})
                 mine = {k: statistics.median(s.get(k, 0.0) for s in window) for k in kinds}
                 mine["last_timeline"] = window[-1].get("timeline", []) if window else []
+                if args.all_timelines:  # every step's actions and CPU: find the slow steps
+                    mine["timelines"] = [s.get("timeline", []) for s in self.rank_steps]
+                    mine["cpu_steps"] = [s.get("cpu_s", 0.0) for s in self.rank_steps]
                 rank_stats = [None] * world
                 dist.all_gather_object(rank_stats, mine)
             if trainer.is_global_zero:
@@ -309,6 +312,7 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--profile-budget-s", type=float, default=300.0)
     p.add_argument("--plan", default=None)
     p.add_argument("--receive-ahead", default="on", choices=["on", "off"])
+    p.add_argument("--all-timelines", action="store_true")
     args = p.parse_args(argv)
     if args.system in LIGHTNING_SYSTEMS:
         _lightning_worker(args)
@@ -387,6 +391,7 @@ def run_one(args: argparse.Namespace, system: str, run: int, out: Path) -> dict[
         "--profile-budget-s", str(args.profile_budget_s),
         "--receive-ahead", args.receive_ahead,
         *(["--plan", str(Path(args.plan).resolve())] if args.plan else []),
+        *(["--all-timelines"] if args.all_timelines else []),
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "lightning_deepcee.lab.cli", "run"]
     cmd += ["--topology", str(args.topology), "--out", str(out), "--quiet"]
@@ -596,6 +601,12 @@ def harness_main(argv: list[str]) -> int:
         default="on",
         choices=["on", "off"],
         help="deepcee systems: DeepCEEStrategy(receive_ahead=...) (the A/B of the transport)",
+    )
+    p.add_argument(
+        "--all-timelines",
+        action="store_true",
+        help="deepcee systems: keep every step's action timeline and CPU per rank in the results "
+        "(default: the last step's timeline only)",
     )
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--fresh", action="store_true", help="discard earlier results of this topology")
