@@ -71,11 +71,6 @@ def _emit(global_batch: int, stamps: list[float], warmup: int, extra: dict[str, 
     print("BENCH " + json.dumps(record), flush=True)
 
 
-def _cpu_counters() -> dict[str, float]:
-    """CPU seconds this process has used (all threads: executor, gloo, receive timers)."""
-    return {"cpu_s": time.process_time()}
-
-
 def _data(args: argparse.Namespace, batch_size: int):
     """The benchmark's data module: Shakespeare windows (gpt) or seeded synthetic images (cnn)."""
     if getattr(args, "model", "gpt") == "cnn":
@@ -123,11 +118,11 @@ def _lightning_worker(args: argparse.Namespace) -> None:
         def __init__(self) -> None:
             self.stamps: list[float] = []
             self.rank_steps: list[dict[str, float]] = []
-            self.cpu = _cpu_counters()
+            self.cpu = time.process_time()  # all threads: executor, gloo, receive timers
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.stamps.append(time.perf_counter())
-            cpu, self.cpu = self.cpu, _cpu_counters()
+            cpu, self.cpu = self.cpu, time.process_time()
             stats = getattr(trainer.strategy, "last_step_stats", None)
             if stats is not None:  # this rank's executor time by action kind, for the cost model
                 step = {**stats.seconds_by_kind, "executor_wall": stats.wall_s}
@@ -135,7 +130,7 @@ def _lightning_worker(args: argparse.Namespace) -> None:
                 step["executor_cpu"] = stats.cpu_s
                 # CPU this process used in the step: against the device's CPU quota, how close
                 # to it the device ran (the lab's cgroup counters are not visible in its netns).
-                step.update({k: self.cpu[k] - cpu[k] for k in cpu})
+                step["cpu_s"] = self.cpu - cpu
                 step["timeline"] = [
                     (str(a), round(t0, 6), round(t1, 6)) for a, t0, t1 in stats.timeline
                 ]
