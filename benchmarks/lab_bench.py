@@ -120,6 +120,13 @@ def _lightning_worker(args: argparse.Namespace) -> None:
             self.rank_steps: list[dict[str, float]] = []
             self.cpu = time.process_time()  # all threads: executor, gloo, receive timers
 
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.batch_start = time.perf_counter()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            self.before_optimizer = time.perf_counter()
+            self.before_optimizer_cpu = time.process_time()
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.stamps.append(time.perf_counter())
             cpu, self.cpu = self.cpu, time.process_time()
@@ -128,6 +135,15 @@ def _lightning_worker(args: argparse.Namespace) -> None:
                 step = {**stats.seconds_by_kind, "executor_wall": stats.wall_s}
                 step.update({f"cpu_{k}": v for k, v in stats.cpu_s_by_kind.items()})
                 step["executor_cpu"] = stats.cpu_s
+                # Where the rest of the step goes: the stage's gradient all-reduce (the cost
+                # model's allreduce term), the optimizer (its optimizer term), and Lightning's
+                # loop between batches (data loading, hooks; not modelled).
+                step["grad_sync_s"] = stats.grad_sync_s
+                step["batch_wall"] = self.stamps[-1] - self.batch_start
+                step["optimizer_wall"] = self.stamps[-1] - self.before_optimizer
+                step["optimizer_cpu"] = time.process_time() - self.before_optimizer_cpu
+                if len(self.stamps) > 1:
+                    step["between_batches"] = self.batch_start - self.stamps[-2]
                 # CPU this process used in the step: against the device's CPU quota, how close
                 # to it the device ran (the lab's cgroup counters are not visible in its netns).
                 step["cpu_s"] = self.cpu - cpu

@@ -84,12 +84,17 @@ class PipelineThroughputMonitor(Callback):
             if self._tokens:
                 metrics["deepcee/tokens_per_s"] = sum(self._tokens) / elapsed
         stats = strategy.last_step_stats
+        figures = (
+            [stats.compute_s, stats.transfer_s, stats.cpu_s, stats.grad_sync_s]
+            if stats is not None
+            else [0.0] * 4
+        )
         local = torch.tensor(
-            [stats.compute_s, stats.transfer_s, stats.cpu_s] if stats is not None else [0.0] * 3,
+            figures,
             dtype=torch.float64,
             device=strategy.root_device,
         )
-        gathered = strategy.all_gather(local)  # (world, 3) on every rank: all ranks call it
+        gathered = strategy.all_gather(local)  # (world, 4) on every rank: all ranks call it
         if trainer.is_global_zero:
             for rank in range(min(strategy.num_stages, gathered.shape[0])):
                 metrics[f"deepcee/stage{rank}_compute_s"] = float(gathered[rank][0])
@@ -97,6 +102,9 @@ class PipelineThroughputMonitor(Callback):
                 # The executor thread's CPU: compute_s far above it means the device stalled
                 # (a CPU quota, a noisy neighbour) rather than computed.
                 metrics[f"deepcee/stage{rank}_cpu_s"] = float(gathered[rank][2])
+                # Summing a shared stage's gradients (asymmetric DP): the cost model's
+                # allreduce term, measured.
+                metrics[f"deepcee/stage{rank}_grad_sync_s"] = float(gathered[rank][3])
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 

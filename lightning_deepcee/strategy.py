@@ -797,8 +797,11 @@ class DeepCEEStrategy(DDPStrategy):
         start = time.perf_counter()
         try:
             loss = self._run(self._executor, args[0] if args else kwargs["batch"])
+            synced = 0.0
             if self._stage_group is not None:
+                synced = time.perf_counter()
                 _sum_gradients(params, self._stage_group)
+                synced = time.perf_counter() - synced
         except RuntimeError as exc:
             if not _is_communication_failure(exc):
                 raise
@@ -809,6 +812,7 @@ class DeepCEEStrategy(DDPStrategy):
             p.grad = None
         self.last_step_stats = self._executor.last_stats
         self.last_step_stats.wall_s = time.perf_counter() - start
+        self.last_step_stats.grad_sync_s = synced
         module.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True)
         return loss
 

@@ -59,6 +59,11 @@ class StepStats:
     held back by a CPU quota, wall time in an action is CPU plus stall, and only CPU is work."""
     cpu_s: float = 0.0
     """This thread's CPU seconds over the whole step (actions, and the work between them)."""
+    grad_sync_s: float = 0.0
+    """Wall seconds of the all-reduce that sums the stage's gradients over the devices sharing
+    it (data parallelism inside a stage; 0 on a stage with one device). Set by
+    ``DeepCEEStrategy.training_step`` after the executor ran: the measured counterpart of the
+    cost model's ``Prediction.allreduce_s``."""
 
     @property
     def compute_s(self) -> float:

@@ -144,6 +144,10 @@ def run(cfg: dict[str, Any], out: Path) -> None:
     trainer = _trainer(cfg, target)
     trainer.fit(model, loader)
     _save_params(model, target / f"rank{rank}.pt")
+    stats = trainer.strategy.last_step_stats
+    (target / f"rank{rank}_stats.json").write_text(
+        json.dumps({"grad_sync_s": stats.grad_sync_s, "wall_s": stats.wall_s})
+    )
     if cfg.get("consolidate"):
         trainer.save_checkpoint(target / "final.ckpt")
         if rank == 0:

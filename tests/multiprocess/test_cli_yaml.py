@@ -63,6 +63,9 @@ data: {{block_size: 16, batch_size: 6, max_chars: 20000}}
     assert any(r.get("deepcee/stage1_transfer_s") for r in rows)
     cpu = [float(r["deepcee/stage0_cpu_s"]) for r in rows if r.get("deepcee/stage0_cpu_s")]
     assert cpu and all(c > 0 for c in cpu)
+    # One device per stage here: nothing to sum, and the column is there.
+    sync = [float(r["deepcee/stage0_grad_sync_s"]) for r in rows if r.get("deepcee/stage0_cpu_s")]
+    assert sync and all(s == 0 for s in sync)
     assert any(r.get("val_loss") for r in rows)
 
     ckpts = list((tmp_path / "log" / "version_0" / "checkpoints").glob("*.ckpt"))

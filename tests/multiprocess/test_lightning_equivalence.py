@@ -213,6 +213,12 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
     )
     _assert_equal(_merged(tmp_path / "placed", world), _reference(3))
     _assert_equal(_merged(tmp_path / "plan", world), _reference(3))
+    # Ranks 0 and 1 share stage 0 and sum its gradients; ranks 2 and 3 have nothing to sum.
+    sync = [
+        json.loads((tmp_path / "plan" / f"rank{r}_stats.json").read_text()) for r in range(world)
+    ]
+    assert all(0 < s["grad_sync_s"] < s["wall_s"] for s in sync[:2]), sync
+    assert all(s["grad_sync_s"] == 0 for s in sync[2:]), sync
     _assert_equal(_merged(tmp_path / "compact", world), _reference(4))
     _assert_equal(_merged(tmp_path / "resplit", world), _reference(4))
     _assert_equal(_merged(tmp_path / "adapter", world), _reference(6))
