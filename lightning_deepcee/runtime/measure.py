@@ -166,9 +166,11 @@ def measure_blocks(
     """Time forward, ``B`` and ``W`` of each block on one micro-batch, on ``sample_input.device``.
 
     Block ``i`` gets the output of block ``i-1`` (block 0 gets ``sample_input``). Each block runs
-    ``warmup`` untimed then ``repeats`` timed iterations; the fastest is kept (the burst speed,
-    see below). Backward starts from a random gradient of the block output's shape, except for
-    the last block when ``loss_fn`` is given: then its forward includes
+    ``warmup`` untimed then ``repeats`` timed iterations, each a pass over all blocks in a
+    pipeline stage's order (every F, then every B last block first, then every W; see
+    :func:`_time_pass`); the fastest is kept (the burst speed, see below). Backward starts
+    from a random gradient of the block output's shape, except for the last block when
+    ``loss_fn`` is given: then its forward includes
     ``loss_fn(output, sample_batch)`` and its backward starts from that loss, as in the last
     pipeline stage.
 
@@ -234,9 +236,7 @@ def measure_blocks(
         if sustain_s > 0 and burst > 0:
             passes, start = 0, time.perf_counter()
             while passes < 2 or time.perf_counter() - start < sustain_s:
-                for index, block in enumerate(blocks):
-                    step_loss = loss_fn if index == len(blocks) - 1 else None
-                    _time_block(block, inputs[index], index == 0, step_loss, sample_batch)
+                _time_pass(blocks, inputs, loss_fn, sample_batch)
                 passes += 1
             factor = max(1.0, (time.perf_counter() - start) / passes / burst)
         activation = [
@@ -315,15 +315,14 @@ def _block_fastest(
     over all blocks (not five calls of one block, then the next): consecutive calls of one block
     fall into the same throttled stretch, and once gave some blocks of an end device their burst
     time and others ten times more, so the planner put three transformer layers there. Sustained
-    speed is measured separately (``sustained_factor``).
+    speed is measured separately (``sustained_factor``). Each pass runs in a stage's order
+    (:func:`_time_pass`).
     """
-    last = len(blocks) - 1
     times: list[list[tuple[float, float, float]]] = [[] for _ in blocks]
     for repeat in range(warmup + repeats):
-        for index, block in enumerate(blocks):
-            step_loss = loss_fn if index == last else None
-            timing = _time_block(block, inputs[index], index == 0, step_loss, sample_batch)
-            if repeat >= warmup:
+        timings = _time_pass(blocks, inputs, loss_fn, sample_batch)
+        if repeat >= warmup:
+            for index, timing in enumerate(timings):
                 times[index].append(timing)
     fastest = [
         (min(t[0] for t in ts), min(t[1] for t in ts), min(t[2] for t in ts)) for ts in times
@@ -433,41 +432,68 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_block(
-    block: nn.Module,
-    value: torch.Tensor,
-    is_first: bool,
+def _time_pass(
+    blocks: Sequence[nn.Module],
+    inputs: Sequence[torch.Tensor],
     loss_fn: LossFn | None,
     sample_batch: Any,
-) -> tuple[float, float, float]:
-    """One F, B, W of ``block`` on ``value``: seconds of each."""
-    device = value.device
-    needs_input_grad = not is_first and value.is_floating_point()
-    x = value.detach().requires_grad_(needs_input_grad)
-    params = [p for p in block.parameters() if p.requires_grad]
-    _sync(device)
-    start = time.perf_counter()
-    output = block(x)
-    root = output if loss_fn is None else loss_fn(output, sample_batch)
-    _sync(device)
-    forward_s = time.perf_counter() - start
-    if not root.requires_grad:  # no parameters and no input gradient: nothing to differentiate
-        return forward_s, 0.0, 0.0
-    grad = torch.randn_like(root) if loss_fn is None else None
-    if not needs_input_grad:
-        start = time.perf_counter()
-        torch.autograd.backward(root, grad)
+) -> list[tuple[float, float, float]]:
+    """F of every block, then B of every block (last first), then W: seconds of each.
+
+    The order a pipeline stage runs them in: a block's B and W find its activations and
+    intermediate gradients after other work has passed through the caches, not right after its
+    F. Timing each block's F, B and W back to back measured them hot; on the lab's CPU-quota
+    devices training then cost 10-20% more per pass than profiled and the cost model
+    under-predicted cee6 steps by up to 19% (docs/profiler.md). The pass holds one micro-batch's
+    activations of every block at once, as a device training the whole model would.
+
+    Block 0 (whose input is data) and any block fed a non-floating-point tensor have ``B = 0``;
+    their ``W`` is their whole backward, run in the W phase, as the executor runs a first stage.
+    """
+    device = inputs[0].device
+    last = len(blocks) - 1
+    state = []
+    forward = []
+    for index, block in enumerate(blocks):
+        value = inputs[index]
+        needs_input_grad = index > 0 and value.is_floating_point()
+        x = value.detach().requires_grad_(needs_input_grad)
         _sync(device)
-        return forward_s, 0.0, time.perf_counter() - start
-    start = time.perf_counter()
-    _, param_groups = stage_backward_input(
-        [root], None if grad is None else [grad], [x], iter(params)
-    )
-    _sync(device)
-    mid = time.perf_counter()
-    stage_backward_weight(iter(params), param_groups)
-    _sync(device)
-    return forward_s, mid - start, time.perf_counter() - mid
+        start = time.perf_counter()
+        output = block(x)
+        root = output if (loss_fn is None or index != last) else loss_fn(output, sample_batch)
+        _sync(device)
+        forward.append(time.perf_counter() - start)
+        grad = torch.randn_like(root) if (loss_fn is None or index != last) else None
+        # B detaches the root in place (stage_backward_input frees the graph's outputs).
+        state.append((x, root, grad, needs_input_grad, root.requires_grad))
+    backward = [0.0] * len(blocks)
+    groups: list[Any] = [None] * len(blocks)
+    for index in reversed(range(len(blocks))):
+        x, root, grad, needs_input_grad, differentiable = state[index]
+        if not differentiable or not needs_input_grad:
+            continue
+        params = [p for p in blocks[index].parameters() if p.requires_grad]
+        start = time.perf_counter()
+        _, groups[index] = stage_backward_input(
+            [root], None if grad is None else [grad], [x], iter(params)
+        )
+        _sync(device)
+        backward[index] = time.perf_counter() - start
+    weight = [0.0] * len(blocks)
+    for index in reversed(range(len(blocks))):
+        x, root, grad, needs_input_grad, differentiable = state[index]
+        if not differentiable:
+            continue
+        start = time.perf_counter()
+        if not needs_input_grad:
+            torch.autograd.backward(root, grad)
+        else:
+            params = [p for p in blocks[index].parameters() if p.requires_grad]
+            stage_backward_weight(iter(params), groups[index])
+        _sync(device)
+        weight[index] = time.perf_counter() - start
+    return list(zip(forward, backward, weight, strict=True))
 
 
 # --------------------------------------------------------------------------------------------

@@ -195,3 +195,29 @@ def test_available_memory_and_fingerprint() -> None:
     assert available_memory_bytes("cpu") > 2**20
     assert model_fingerprint(_mlp()) == model_fingerprint(_mlp())
     assert model_fingerprint(_mlp()) != model_fingerprint([nn.Linear(8, 33), *_mlp()[1:]])
+
+
+class _Traced(nn.Linear):
+    """A linear block that logs its forward (F), input gradient (B) and weight gradient (W)."""
+
+    def __init__(self, index: int, log: list[str]) -> None:
+        super().__init__(4, 4)
+        self.index, self.log = index, log
+        self.weight.register_hook(lambda grad: self.log.append(f"W{self.index}") or grad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(f"F{self.index}")
+        if x.requires_grad:
+            x.register_hook(lambda grad: self.log.append(f"B{self.index}") or grad)
+        return super().forward(x)
+
+
+def test_blocks_are_timed_in_a_pipeline_stages_order() -> None:
+    # Every F, then every B (last block first), then every W: how a stage runs them, so a
+    # block's B and W find their tensors after other work, not still in cache from its F.
+    log: list[str] = []
+    blocks = [_Traced(i, log) for i in range(3)]
+    measure_blocks(blocks, torch.randn(4, 4), repeats=1, warmup=0, sustain_s=0)
+    timed = log[log.index("F0", 1) :]  # after the untimed forward that makes each block's input
+    first_pass = timed[: timed.index("W0") + 1]
+    assert first_pass == ["F0", "F1", "F2", "B2", "B1", "W2", "W1", "W0"], log
