@@ -28,8 +28,9 @@ class PipelineThroughputMonitor(Callback):
     """Log ``deepcee/samples_per_s``, ``deepcee/tokens_per_s`` and per-stage times.
 
     Per stage: ``stage{i}_compute_s`` (wall seconds in F/B/W), ``stage{i}_transfer_s`` (wall
-    seconds in sends and receives) and ``stage{i}_cpu_s`` (the executor thread's CPU seconds over
-    the step), all of the last step.
+    seconds in sends and receives), ``stage{i}_cpu_s`` (the executor thread's CPU seconds over
+    the step) and ``stage{i}_grad_sync_s`` (wall seconds summing a shared stage's gradients), all
+    of the last step.
 
     Args:
         window_size: steps averaged for the rates (the first step, which includes warm-up, is

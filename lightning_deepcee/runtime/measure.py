@@ -461,19 +461,19 @@ def _time_pass(
         _sync(device)
         start = time.perf_counter()
         output = block(x)
-        root = output if (loss_fn is None or index != last) else loss_fn(output, sample_batch)
+        root = output if loss_fn is None or index != last else loss_fn(output, sample_batch)
         _sync(device)
         forward.append(time.perf_counter() - start)
-        grad = torch.randn_like(root) if (loss_fn is None or index != last) else None
-        # B detaches the root in place (stage_backward_input frees the graph's outputs).
-        state.append((x, root, grad, needs_input_grad, root.requires_grad))
+        grad = torch.randn_like(root) if root is output else None  # a loss starts from 1
+        params = [p for p in block.parameters() if p.requires_grad]
+        # Whether to differentiate at all is read now: B detaches the root in place.
+        state.append((x, root, grad, params, needs_input_grad, root.requires_grad))
     backward = [0.0] * len(blocks)
     groups: list[Any] = [None] * len(blocks)
     for index in reversed(range(len(blocks))):
-        x, root, grad, needs_input_grad, differentiable = state[index]
+        x, root, grad, params, needs_input_grad, differentiable = state[index]
         if not differentiable or not needs_input_grad:
             continue
-        params = [p for p in blocks[index].parameters() if p.requires_grad]
         start = time.perf_counter()
         _, groups[index] = stage_backward_input(
             [root], None if grad is None else [grad], [x], iter(params)
@@ -482,15 +482,14 @@ def _time_pass(
         backward[index] = time.perf_counter() - start
     weight = [0.0] * len(blocks)
     for index in reversed(range(len(blocks))):
-        x, root, grad, needs_input_grad, differentiable = state[index]
+        _, root, grad, params, needs_input_grad, differentiable = state[index]
         if not differentiable:
             continue
         start = time.perf_counter()
-        if not needs_input_grad:
-            torch.autograd.backward(root, grad)
-        else:
-            params = [p for p in blocks[index].parameters() if p.requires_grad]
+        if needs_input_grad:
             stage_backward_weight(iter(params), groups[index])
+        else:
+            torch.autograd.backward(root, grad)
         _sync(device)
         weight[index] = time.perf_counter() - start
     return list(zip(forward, backward, weight, strict=True))
