@@ -31,6 +31,7 @@ invocations), ``<topology>.md`` (median, min, max, ratio of medians vs ddp) and 
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -119,6 +120,19 @@ def _lightning_worker(args: argparse.Namespace) -> None:
             self.stamps: list[float] = []
             self.rank_steps: list[dict[str, float]] = []
             self.cpu = time.process_time()  # all threads: executor, gloo, receive timers
+            # Python's garbage collector: wall time of its collections in each step (a full
+            # collection on a device at 12% of a core can stall a pipeline step).
+            self.gc_s = 0.0
+            self.gc_full = 0
+            self._gc_start = 0.0
+            gc.callbacks.append(self._on_gc)
+
+        def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                self._gc_start = time.perf_counter()
+            else:
+                self.gc_s += time.perf_counter() - self._gc_start
+                self.gc_full += int(info.get("generation", 0) == 2)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self.batch_start = time.perf_counter()
@@ -147,6 +161,8 @@ def _lightning_worker(args: argparse.Namespace) -> None:
                 # CPU this process used in the step: against the device's CPU quota, how close
                 # to it the device ran (the lab's cgroup counters are not visible in its netns).
                 step["cpu_s"] = self.cpu - cpu
+                step["gc_s"], step["gc_full"] = self.gc_s, float(self.gc_full)
+                self.gc_s, self.gc_full = 0.0, 0
                 step["timeline"] = [
                     (str(a), round(t0, 6), round(t1, 6)) for a, t0, t1 in stats.timeline
                 ]
@@ -170,9 +186,11 @@ def _lightning_worker(args: argparse.Namespace) -> None:
                 kinds = sorted({k for step in window for k in step if k != "timeline"})
                 mine = {k: statistics.median(s.get(k, 0.0) for s in window) for k in kinds}
                 mine["last_timeline"] = window[-1].get("timeline", []) if window else []
-                if args.all_timelines:  # every step's actions and CPU: find the slow steps
+                # Per step (medians hide a one-off stall): wall, CPU and garbage collection.
+                for key in ("batch_wall", "cpu_s", "gc_s", "gc_full"):
+                    mine[f"{key}_steps"] = [round(s.get(key, 0.0), 4) for s in self.rank_steps]
+                if args.all_timelines:  # every step's actions: find the slow steps
                     mine["timelines"] = [s.get("timeline", []) for s in self.rank_steps]
-                    mine["cpu_steps"] = [s.get("cpu_s", 0.0) for s in self.rank_steps]
                 rank_stats = [None] * world
                 dist.all_gather_object(rank_stats, mine)
             if trainer.is_global_zero:
@@ -474,9 +492,12 @@ def report(result: dict[str, Any], results_dir: Path, name: str) -> str:
             if "predicted_step_s" in r:
                 measured = cfg["global_batch"] / r["samples_per_s"]
                 predicted = r["predicted_step_s"]
+                window = r["step_times_s"][-r["window_steps"] :]
+                median = statistics.median(window)
                 errors.append(
                     f"| {s} | {r.get('run', '?')} | {predicted * 1e3:.0f} | {measured * 1e3:.0f} "
-                    f"| {(predicted - measured) / measured:+.0%} |"
+                    f"| {(predicted - measured) / measured:+.0%} | {median * 1e3:.0f} "
+                    f"| {(predicted - median) / median:+.0%} | {max(window) * 1e3:.0f} |"
                 )
             if "num_stages" in r:
                 layout = f"{r['num_stages']} stages"
@@ -510,10 +531,13 @@ def report(result: dict[str, Any], results_dir: Path, name: str) -> str:
     if errors:
         lines += [
             "",
-            "Cost-model error (planned runs): predicted step vs measured mean step of the window.",
+            "Cost-model error (planned runs): predicted step vs measured mean step of the window "
+            "(what samples/s counts), and vs the window's median step (one stalled step moves "
+            "the mean, not the median; the slowest step is shown).",
             "",
-            "| system | run | predicted ms | measured ms | error |",
-            "|---|---|---|---|---|",
+            "| system | run | predicted ms | measured ms | error | median ms | error vs median "
+            "| slowest ms |",
+            "|---|---|---|---|---|---|---|---|",
             *errors,
         ]
     table = "\n".join(lines) + "\n"
@@ -616,8 +640,9 @@ def harness_main(argv: list[str]) -> int:
     p.add_argument(
         "--all-timelines",
         action="store_true",
-        help="deepcee systems: keep every step's action timeline and CPU per rank in the results "
-        "(default: the last step's timeline only)",
+        help="deepcee systems: keep every step's action timeline per rank in the results "
+        "(default: the last step's; each step's wall, CPU and garbage-collection time are "
+        "always kept)",
     )
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--fresh", action="store_true", help="discard earlier results of this topology")

@@ -416,11 +416,22 @@ class LabNetwork:
 
     def cpu_quota(self, device: str) -> float:
         """The host's CFS quota in cores (quota / period), e.g. 0.4 for cpu=0.2 on 2 cores."""
+        quota_us, period_us = self._cfs(device)
+        return quota_us / period_us
+
+    def cpu_max(self, device: str) -> str | None:
+        """The host's CFS quota as cgroup v2's ``cpu.max`` says it: ``"<quota_us> <period_us>"``.
+
+        None without a quota (``-1``). The devices' processes get it as ``DEEPCEE_CPU_MAX``.
+        """
+        quota_us, period_us = self._cfs(device)
+        return None if quota_us <= 0 else f"{quota_us} {period_us}"
+
+    def _cfs(self, device: str) -> tuple[int, int]:
         for directory in cgroup_dirs(device):
             quota = directory / "cpu.cfs_quota_us"
             if quota.exists():
-                period = int((directory / "cpu.cfs_period_us").read_text())
-                return int(quota.read_text()) / period
+                return int(quota.read_text()), int((directory / "cpu.cfs_period_us").read_text())
         raise RuntimeError(f"no cpu cgroup for {device!r}")
 
 

@@ -147,8 +147,14 @@ def device_env(
     master_port: int,
     interface: str,
     launcher: str = "torchrun",
+    cpu_max: str | None = None,
 ) -> dict[str, str]:
-    """``base`` without stray distributed variables, plus the lab's and the launcher's."""
+    """``base`` without stray distributed variables, plus the lab's and the launcher's.
+
+    ``cpu_max`` is the device's CPU quota, ``"<quota_us> <period_us>"``: a Mininet host remounts
+    ``/sys``, so the profiler cannot read its cgroup and takes it from ``DEEPCEE_CPU_MAX``
+    (:mod:`lightning_deepcee.runtime.cpu_quota`) instead.
+    """
     env = {k: v for k, v in base.items() if k not in _DIST_ENV}
     env.update(
         GLOO_SOCKET_IFNAME=interface,
@@ -157,6 +163,8 @@ def device_env(
         DEEPCEE_LAB_REGION=region,
         DEEPCEE_LAB_RANK=str(rank),
     )
+    if cpu_max is not None:
+        env["DEEPCEE_CPU_MAX"] = cpu_max
     # One device = one CPU share: don't let torch spawn a thread per machine core.
     env.setdefault("OMP_NUM_THREADS", "1")
     if launcher == "env":
@@ -249,6 +257,7 @@ def run_command(
                 master_port=config.master_port,
                 interface=net.interface(device.name),
                 launcher=config.launcher,
+                cpu_max=net.cpu_max(device.name),
             )
             # The trace's clock: CLOCK_MONOTONIC is one clock for every namespace of the kernel,
             # so a device can place its own events on the trace's time axis.

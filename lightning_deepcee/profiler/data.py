@@ -309,6 +309,16 @@ class DeviceProfile:
     intercept of an affine fit ``t(n) = fixed + slope * n`` measured at two micro-batch sizes.
     Empty (the default, e.g. a hand-written profile) means 0 for every block: compute is then
     linear in the micro-batch size."""
+    cpu_share: float = 1.0
+    """Under a CPU quota (a container's CPU limit, a Linux cgroup's CFS quota), the fraction of
+    a core the device may use on average: ``quota / period``, at most 1. The ``*_s`` times above
+    are what the device sustains under that quota; an action that finds the quota unspent runs
+    faster (see ``cpu_period_s``). 1 (the default) means no quota."""
+    cpu_period_s: float = 0.0
+    """The quota's period in seconds (Linux CFS: 0.1 by default). Each period the device may run
+    ``cpu_share * cpu_period_s`` seconds at full speed; what it does not use while it waits for
+    a message lets its next actions run at full speed. 0 (the default, and every hand-written
+    profile) means no quota is modelled: every action takes its ``*_s`` time."""
 
     def __post_init__(self) -> None:
         _set(self, "rank", _int("rank", self.rank, minimum=0, expected="a non-negative integer"))
@@ -356,6 +366,22 @@ class DeviceProfile:
                     f"time {total!r} s; the fixed part is a share of that time"
                 )
         _set(self, "fixed_s", fixed)
+        share = _float(
+            "cpu_share", self.cpu_share, expected="a fraction of a core in (0, 1]", strict=True
+        )
+        if share > 1.0:
+            raise _fail("cpu_share", "a fraction of a core in (0, 1]", self.cpu_share)
+        _set(self, "cpu_share", share)
+        _set(
+            self,
+            "cpu_period_s",
+            _seconds("cpu_period_s", self.cpu_period_s),
+        )
+
+    @property
+    def has_cpu_quota(self) -> bool:
+        """Whether a CPU quota is modelled for this device (``cpu_share < 1`` with a period)."""
+        return self.cpu_share < 1.0 and self.cpu_period_s > 0.0
 
     @property
     def num_blocks(self) -> int:

@@ -74,6 +74,7 @@ from lightning_deepcee.profiler.data import (
     load_cached_profile,
 )
 from lightning_deepcee.profiler.grouping import group_by_network
+from lightning_deepcee.runtime.cpu_quota import read_cpu_quota
 from lightning_deepcee.runtime.transport import wire_device
 
 __all__ = [
@@ -1001,6 +1002,7 @@ def profile_cluster(
         "kind": os.environ.get(DEVICE_KIND_ENV, "").strip() or device.type,
         "memory_bytes": available_memory_bytes(device),
         "timings": timings,
+        "cpu_quota": _cpu_quota(device),
     }
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, local, group=group)
@@ -1025,8 +1027,27 @@ def profile_cluster(
     )
 
 
+def _cpu_quota(device: torch.device) -> tuple[float, float]:
+    """``(cpu_share, cpu_period_s)`` of a CPU device under a CFS quota; ``(1.0, 0.0)`` if none.
+
+    The share is of the speed the compute threads reach unthrottled: ``quota cores / threads``
+    (a device computing on 2 threads under a 1-core quota sustains half its burst speed). A
+    GPU's compute does not run on the quota's CPU time, so no quota is recorded for it.
+    """
+    if device.type != "cpu":
+        return 1.0, 0.0
+    quota = read_cpu_quota()
+    if quota is None:
+        return 1.0, 0.0
+    share = quota.cores / max(1, torch.get_num_threads())
+    if share >= 1.0:
+        return 1.0, 0.0
+    return share, quota.period_s
+
+
 def _device_profile(rank: int, host: str, record: dict[str, Any]) -> DeviceProfile:
     timings: BlockTimings = record["timings"]
+    cpu_share, cpu_period_s = record.get("cpu_quota", (1.0, 0.0))
     return DeviceProfile(
         rank=rank,
         host=host,
@@ -1039,6 +1060,8 @@ def _device_profile(rank: int, host: str, record: dict[str, Any]) -> DeviceProfi
         parameter_bytes=timings.parameter_bytes,
         reference_microbatch_size=timings.microbatch_size,
         fixed_s=timings.fixed_s,
+        cpu_share=cpu_share,
+        cpu_period_s=cpu_period_s,
         capability=capability_score(
             timings.forward_s, timings.backward_input_s, timings.backward_weight_s
         ),

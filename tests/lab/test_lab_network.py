@@ -53,6 +53,10 @@ def test_build_shape_trace_and_teardown(lab_store: StateStore, tmp_path: Path) -
         assert net.reachable("cloud1", "cloud0")
         cores = os.cpu_count() or 1
         assert net.cpu_quota("cloud0") == pytest.approx(0.3 * cores, rel=0.01)
+        cpu_max = net.cpu_max("cloud0")  # what the device's processes get as DEEPCEE_CPU_MAX
+        assert cpu_max is not None
+        quota_us, period_us = (int(word) for word in cpu_max.split())
+        assert (quota_us / period_us, period_us) == (pytest.approx(0.3 * cores, rel=0.01), 100_000)
         assert net.rate_mbit("dlab0-to1") == pytest.approx(20)
         assert net.rate_mbit("cloud0-eth0", "cloud0") == pytest.approx(1000)
 

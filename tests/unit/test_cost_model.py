@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -94,6 +95,44 @@ def test_equal_stages_reproduce_analytic_numbers(p: int, m: int) -> None:
     zero_bubble = predict(profile, stages, "zb-h1", m, m)
     if m >= p:
         assert zero_bubble.step_time_s == pytest.approx(3 * m + p - 1)
+
+
+def _with_quota(profile: ClusterProfile, shares: list[float], period_s: float) -> ClusterProfile:
+    devices = tuple(
+        dataclasses.replace(d, cpu_share=share, cpu_period_s=period_s)
+        for d, share in zip(profile.devices, shares, strict=True)
+    )
+    return dataclasses.replace(profile, devices=devices)
+
+
+def test_cpu_quota_forgives_the_bubbles_a_period_can_absorb() -> None:
+    """ZB-H1 with p = m = 4 on quota-limited devices: waits let later actions run at full speed.
+
+    With a long period the busiest stage's compute (the bucket starts empty, so no stage can
+    beat it) is nearly reached; without the quota the prediction carries the whole bubble.
+    """
+    plain = make_profile(speeds=[1.0] * 4, num_blocks=4, block_s=0.01)
+    stages = _pipeline(4, 1)
+    busy = 4 * 3 * 0.01
+    without = predict(plain, stages, "zb-h1", 4, 4)
+    assert without.step_time_s > 1.15 * busy
+    long_period = predict(_with_quota(plain, [0.48] * 4, 10.0), stages, "zb-h1", 4, 4)
+    assert busy * (1 - 1e-9) <= long_period.step_time_s < 1.05 * busy
+    short_period = predict(_with_quota(plain, [0.48] * 4, 0.001), stages, "zb-h1", 4, 4)
+    assert long_period.step_time_s < short_period.step_time_s < without.step_time_s
+    # No quota on any device: the costs carry none and nothing changes.
+    assert stage_costs(plain, stages, microbatch_size=1).cpu_share is None
+
+
+def test_a_shared_stage_takes_its_slowest_devices_quota() -> None:
+    profile = _with_quota(make_profile(speeds=[2.0, 1.0, 1.0], num_blocks=2), [0.3, 0.6, 1.0], 0.1)
+    stages = [
+        StagePlan(block_range=(0, 1), ranks=(0, 1), batch_shares=(0.2, 0.8)),  # rank 1 slower
+        StagePlan(block_range=(1, 2), ranks=(2,), batch_shares=(1.0,)),
+    ]
+    costs = stage_costs(profile, stages, microbatch_size=10)
+    assert costs.cpu_share == (0.6, 1.0)
+    assert costs.cpu_period_s == (0.1, 0.1)
 
 
 def test_runtime_overhead_is_one_fixed_call_per_executor_action() -> None:

@@ -246,6 +246,9 @@ _MISSING = object()
         (("devices", 0, "fixed_s"), [0.01, 1.0, 0.0], "devices[0].fixed_s[1]: 1.0 s is more"),
         (("devices", 0, "fixed_s"), [0.0, -0.01, 0.0], "devices[0].fixed_s[1]: expected a non-"),
         (("model_fingerprint",), 123, "model_fingerprint: expected a non-empty string, got 123"),
+        (("devices", 1, "cpu_share"), 0.0, "devices[1].cpu_share: expected a fraction of a core"),
+        (("devices", 1, "cpu_share"), 1.5, "devices[1].cpu_share: expected a fraction of a core"),
+        (("devices", 1, "cpu_period_s"), -0.1, "devices[1].cpu_period_s: expected a non-negative"),
     ],
 )
 def test_from_dict_errors_name_the_field(path: tuple[Any, ...], value: Any, message: str) -> None:
@@ -298,6 +301,21 @@ def test_direct_construction_validates_too() -> None:
             model_fingerprint="m",
             cluster_fingerprint="c",
         )
+
+
+def test_cpu_quota_round_trips_and_defaults_to_none() -> None:
+    plain = _device(0)
+    assert (plain.cpu_share, plain.cpu_period_s, plain.has_cpu_quota) == (1.0, 0.0, False)
+    limited = _device(0, cpu_share=0.48, cpu_period_s=0.1)
+    assert limited.has_cpu_quota
+    assert DeviceProfile.from_dict(json.loads(json.dumps(limited.to_dict()))) == limited
+    # A share without a period (or a whole core) models no quota.
+    assert not _device(0, cpu_share=0.5).has_cpu_quota
+    assert not _device(0, cpu_share=1.0, cpu_period_s=0.1).has_cpu_quota
+    # Profiles saved before these fields existed still load.
+    old = plain.to_dict()
+    del old["cpu_share"], old["cpu_period_s"]
+    assert DeviceProfile.from_dict(old) == plain
 
 
 def test_device_from_dict_round_trip_and_derived_values() -> None:

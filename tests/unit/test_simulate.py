@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections import Counter
@@ -173,6 +174,97 @@ def test_microbatch_scale_scales_compute_and_transfer() -> None:
         ValueError, match="microbatch_scale has 1 entries but num_microbatches is 2"
     ):
         _run("gpipe", 2, 2, scaled)
+
+
+# ---- CPU quotas: a token bucket of full-speed seconds -------------------------------------------
+
+
+def _with_quota(costs: StageCosts, share: float, period: float) -> StageCosts:
+    p = costs.num_stages
+    return dataclasses.replace(costs, cpu_share=(share,) * p, cpu_period_s=(period,) * p)
+
+
+def test_quota_lets_a_waiting_device_catch_up_at_full_speed() -> None:
+    # Two stages, F = 1, BW = 2 at the sustained speed; half a core, 4 s periods (2 s budget).
+    result = _run("gpipe", 2, 1, _with_quota(StageCosts.uniform(2), share=0.5, period=4.0))
+    spans = {(e.rank, e.action.kind): (e.start_s, e.end_s) for e in result.events}
+    # Rank 0 starts with an empty bucket: its F runs at the sustained speed.
+    assert spans[(0, K.F)] == pytest.approx((0.0, 1.0))
+    # Rank 1 waited 1 s (0.5 s of credit): its F (0.5 s of full-speed work) runs at full speed,
+    # its BW (1 s of work) at full speed while the 0.25 s left lasts (0.5 s), then at half speed.
+    assert spans[(1, K.F)] == pytest.approx((1.0, 1.5))
+    assert spans[(1, K.BW)] == pytest.approx((1.5, 3.0))
+    # Rank 0 waited 2 s (1 s of credit, under the 2 s cap): its BW runs at full speed.
+    assert spans[(0, K.BW)] == pytest.approx((3.0, 4.0))
+    assert result.step_time_s == pytest.approx(4.0)
+    assert _run("gpipe", 2, 1, StageCosts.uniform(2)).step_time_s == pytest.approx(6.0)
+
+
+def test_quota_credit_is_capped_at_one_periods_budget() -> None:
+    # Rank 1 waits 1 s, which would earn 0.5 s, but a 0.2 s period holds 0.1 s of credit.
+    result = _run("gpipe", 2, 1, _with_quota(StageCosts.uniform(2), share=0.5, period=0.2))
+    spans = {(e.rank, e.action.kind): (e.start_s, e.end_s) for e in result.events}
+    assert spans[(1, K.F)] == pytest.approx((1.0, 1.0 + 0.2 + (0.5 - 0.2) / 0.5))
+
+
+def test_quota_without_waits_changes_nothing() -> None:
+    costs = StageCosts.uniform(1)
+    for share, period in [(0.3, 0.1), (1.0, 0.1), (0.5, 0.0)]:
+        assert _run("1f1b", 1, 5, _with_quota(costs, share, period)).step_time_s == pytest.approx(
+            15.0
+        )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    p=st.integers(1, 4),
+    m=st.integers(1, 6),
+    kind=st.sampled_from(sorted(SCHEDULE_KINDS)),
+    costs=st.lists(st.floats(0.05, 3.0), min_size=12, max_size=12),
+    sends=st.lists(st.floats(0.0, 2.0), min_size=6, max_size=6),
+    shares=st.lists(st.floats(0.05, 1.0), min_size=4, max_size=4),
+    period=st.floats(0.0, 5.0),
+)
+def test_quota_step_lies_between_the_busiest_rank_and_no_quota(
+    p: int,
+    m: int,
+    kind: str,
+    costs: list[float],
+    sends: list[float],
+    shares: list[float],
+    period: float,
+) -> None:
+    plain = StageCosts(
+        forward_s=tuple(costs[:p]),
+        backward_input_s=tuple(costs[4 : 4 + p]),
+        backward_weight_s=tuple(costs[8 : 8 + p]),
+        activation_bytes=(0.0,) * p,
+        send_forward_s=tuple(sends[: p - 1]),
+        send_backward_s=tuple(sends[3 : 3 + p - 1]),
+    )
+    quota = dataclasses.replace(plain, cpu_share=tuple(shares[:p]), cpu_period_s=(period,) * p)
+    without = _run(kind, p, m, plain)
+    within = _run(kind, p, m, quota)
+    assert within.step_time_s <= without.step_time_s * (1 + 1e-9)
+    # The bucket is empty at the start and earns at most `share` per second, so a rank cannot
+    # finish its work in less than its sustained compute time.
+    busiest = max(
+        m * (plain.forward_s[s] + plain.backward_input_s[s] + plain.backward_weight_s[s])
+        for s in range(p)
+    )
+    assert within.step_time_s >= busiest * (1 - 1e-9)
+
+
+def test_quota_fields_are_checked() -> None:
+    base = StageCosts.uniform(2)
+    with pytest.raises(ValueError, match="go together"):
+        dataclasses.replace(base, cpu_share=(0.5, 0.5))
+    with pytest.raises(ValueError, match=r"fraction of a core in \(0, 1\]"):
+        dataclasses.replace(base, cpu_share=(0.5, 1.5), cpu_period_s=(0.1, 0.1))
+    with pytest.raises(ValueError, match="cpu_share"):
+        dataclasses.replace(base, cpu_share=(0.5, 0.0), cpu_period_s=(0.1, 0.1))
+    with pytest.raises(ValueError, match="cpu_period_s"):
+        dataclasses.replace(base, cpu_share=(0.5, 0.5), cpu_period_s=(0.1,))
 
 
 # ---- deadlock and bad input ---------------------------------------------------------------------
