@@ -15,6 +15,7 @@ exact synchronous semantics, the same update a single device computes on the who
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -137,6 +138,12 @@ class DeepCEEStrategy(DDPStrategy):
             quarter (docs/architecture.md). ``False`` posts each receive when the schedule
             reaches it. Payloads received ahead are still timed on the wire (the
             DynamicEnvironmentAdapter reads those times).
+        freeze_gc: when training starts, run one full garbage collection and freeze what
+            survives (``gc.freeze()``), so later collections skip the model, the data and
+            the framework set up before training; unfrozen when training ends. A full
+            collection of a trainer's objects took 0.4-0.7 s on the lab's cloud devices (at
+            half a core), and in a pipeline one rank's pause stalls every stage. ``False``
+            leaves the garbage collector alone.
     """
 
     strategy_name = "deepcee"
@@ -155,6 +162,7 @@ class DeepCEEStrategy(DDPStrategy):
         timeout_s: float = 60.0,
         verbose: bool = True,
         receive_ahead: bool = True,
+        freeze_gc: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -214,6 +222,8 @@ class DeepCEEStrategy(DDPStrategy):
         self.device_groups: DeviceGroups | None = None
         self.verbose = verbose
         self.receive_ahead = receive_ahead
+        self.freeze_gc = freeze_gc
+        self._gc_frozen = False
         self.ranges: list[tuple[int, int]] = []
         self.spec: PipelineSpec | None = None
         self.stage: Stage | None = None
@@ -836,7 +846,32 @@ class DeepCEEStrategy(DDPStrategy):
         return DeviceLostError(message, lost if lost is not None else [0])
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.freeze_gc and not self._gc_frozen:
+            started = time.perf_counter()
+            gc.collect()
+            gc.freeze()
+            self._gc_frozen = True
+            if self.verbose and self.global_rank == 0:
+                rank_zero_info(
+                    f"DeepCEE: froze {gc.get_freeze_count():,} objects for the garbage collector "
+                    f"({time.perf_counter() - started:.2f} s); later collections skip them"
+                )
+
+    @override
+    def on_train_end(self) -> None:
+        self._unfreeze_gc()
+        super().on_train_end()
+
+    def _unfreeze_gc(self) -> None:
+        if self._gc_frozen:
+            gc.unfreeze()
+            self._gc_frozen = False
+
+    @override
     def teardown(self) -> None:
+        self._unfreeze_gc()
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None

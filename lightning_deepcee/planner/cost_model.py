@@ -57,7 +57,11 @@ and a list of :class:`~lightning_deepcee.planner.plan.StagePlan` into per-stage 
 - **All-reduce.** After its last W, each stage's group all-reduces its gradients with a ring:
   ``2 (n-1)/n * parameter_bytes / min_bandwidth + 2 (n-1) * max_latency`` over the group's pairs.
   The slowest stage's all-reduce is added to the step.
-- **Optimizer.** ``optimizer_s_per_byte * parameter_bytes`` of the largest stage.
+- **Optimizer.** Each device's measured seconds per parameter byte of an Adam step
+  (``DeviceProfile.optimizer_s_per_byte``; ``CostModelConfig.optimizer_s_per_byte`` where not
+  measured) times its stage's parameter bytes; the slowest device's is added. Every device of
+  a stage updates the whole stage. On the lab the constant 1e-10 s/B charged 1 ms where the
+  cloud and edge devices took 5-10 ms.
 - **Memory.** ``parameter_bytes * state_copies`` (weights, gradients, two Adam moments) plus the
   simulator's peak of in-flight activations, scaled by the device's share.
 
@@ -107,7 +111,8 @@ class CostModelConfig:
     """Constants of the cost model that the profile does not measure."""
 
     optimizer_s_per_byte: float = 1e-10
-    """Optimizer seconds per byte of a stage's parameters. Adam reads and writes about four
+    """Optimizer seconds per byte of a stage's parameters on a device whose profile did not
+    measure it (``DeviceProfile.optimizer_s_per_byte == 0``). Adam reads and writes about four
     tensors per parameter; 1e-10 s/B is ~40 GB/s of effective memory traffic."""
     state_copies: int = 4
     """Bytes held per parameter byte: the weights, their gradient and Adam's two moments."""
@@ -223,6 +228,10 @@ class _Arrays:
         self.activation_prefix = np.concatenate([[0.0], np.cumsum(act)])
         self.parameter_prefix = np.concatenate([[0.0], np.cumsum(params)])
         self.memory = np.array([d.memory_bytes for d in profile.devices], dtype=np.float64)
+        self.optimizer_rate = np.array(
+            [d.optimizer_s_per_byte for d in profile.devices], dtype=np.float64
+        )
+        """Measured optimizer seconds per parameter byte of each device; 0 = not measured."""
         self.cpu_share = np.array([d.cpu_share for d in profile.devices], dtype=np.float64)
         self.cpu_period = np.array([d.cpu_period_s for d in profile.devices], dtype=np.float64)
         self.has_quota = any(d.has_cpu_quota for d in profile.devices)
@@ -667,8 +676,10 @@ def _predict(
     for s, stage in enumerate(stages):
         params = arrays.parameter_bytes(stage.block_range)
         allreduce_s = max(allreduce_s, _allreduce(arrays, stage.ranks, params))
-        optimizer_s = max(optimizer_s, config.optimizer_s_per_byte * params)
         index = np.asarray(stage.ranks)
+        rates = arrays.optimizer_rate[index]
+        rate = float(np.where(rates > 0, rates, config.optimizer_s_per_byte).max())
+        optimizer_s = max(optimizer_s, rate * params)
         peaks = np.round(
             config.state_copies * params + activation_peak[s] * np.asarray(stage.batch_shares)
         )

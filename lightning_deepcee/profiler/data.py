@@ -309,6 +309,11 @@ class DeviceProfile:
     intercept of an affine fit ``t(n) = fixed + slope * n`` measured at two micro-batch sizes.
     Empty (the default, e.g. a hand-written profile) means 0 for every block: compute is then
     linear in the micro-batch size."""
+    optimizer_s_per_byte: float = 0.0
+    """Seconds per parameter byte of an optimizer step on this device (the profiler times
+    ``torch.optim.Adam`` on a block's parameters, at the sustained speed). 0 (the default, and
+    hand-written profiles) means not measured: the planner then uses
+    ``CostModelConfig.optimizer_s_per_byte``."""
     cpu_share: float = 1.0
     """Under a CPU quota (a container's CPU limit, a Linux cgroup's CFS quota), the fraction of
     a core the device may use on average: ``quota / period``, at most 1. The ``*_s`` times above
@@ -366,6 +371,15 @@ class DeviceProfile:
                     f"time {total!r} s; the fixed part is a share of that time"
                 )
         _set(self, "fixed_s", fixed)
+        _set(
+            self,
+            "optimizer_s_per_byte",
+            _float(
+                "optimizer_s_per_byte",
+                self.optimizer_s_per_byte,
+                expected="a non-negative finite number of seconds per byte",
+            ),
+        )
         share = _float(
             "cpu_share", self.cpu_share, expected="a fraction of a core in (0, 1]", strict=True
         )

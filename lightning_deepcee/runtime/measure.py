@@ -142,6 +142,12 @@ class BlockTimings:
     intercept of the line through the totals at ``microbatch_size`` and at a quarter of it (two
     samples at least), shared out by each block's time at the small size. Empty when the
     micro-batch is too small for a second size."""
+    optimizer_s_per_byte: float = 0.0
+    """Seconds per parameter byte of a reference optimizer step (``torch.optim.Adam``, the
+    default ``foreach`` path) on this device, timed on clones of the largest block's parameters
+    and scaled by ``sustained_factor``; 0 when no block has parameters. The planner charges a
+    stage's devices this rate times the stage's parameter bytes (Adam reads and writes about
+    four tensors per parameter: a memory-bound step, linear in the bytes)."""
     sustained_factor: float = 1.0
     """Sustained over burst: wall time of back-to-back passes over all blocks divided by the sum
     of the per-block burst times (at least 1). Above 1 when the device cannot keep its burst
@@ -243,6 +249,7 @@ def measure_blocks(
         activation = [
             math.ceil(output.numel() * output.element_size() / size) for output in inputs[1:]
         ]
+        optimizer = _optimizer_s_per_byte(blocks, repeats, warmup)
     return BlockTimings(
         forward_s=tuple(f * factor for f, _, _ in fastest),
         backward_input_s=tuple(b * factor for _, b, _ in fastest),
@@ -251,8 +258,36 @@ def measure_blocks(
         parameter_bytes=tuple(_parameter_bytes(block) for block in blocks),
         microbatch_size=size,
         fixed_s=tuple(value * factor for value in fixed),
+        optimizer_s_per_byte=optimizer * factor,
         sustained_factor=factor,
     )
+
+
+def _optimizer_s_per_byte(blocks: Sequence[nn.Module], repeats: int, warmup: int) -> float:
+    """Fastest seconds per parameter byte of an Adam step over the largest block's parameters.
+
+    The step runs on detached clones with zero gradients (the model is not touched), once to
+    create Adam's state, ``warmup`` more times untimed, then ``repeats`` timed; only one block
+    is cloned so that memory stays bounded on a large model.
+    """
+    largest = max(blocks, key=_parameter_bytes)
+    num_bytes = _parameter_bytes(largest)
+    if num_bytes == 0:
+        return 0.0
+    clones = [p.detach().clone().requires_grad_(True) for p in largest.parameters()]
+    for clone in clones:
+        clone.grad = torch.zeros_like(clone)
+    optimizer = torch.optim.Adam(clones, lr=1e-3)
+    for _ in range(1 + warmup):
+        optimizer.step()
+    fastest = math.inf
+    for _ in range(repeats):
+        _sync(clones[0].device)
+        start = time.perf_counter()
+        optimizer.step()
+        _sync(clones[0].device)
+        fastest = min(fastest, time.perf_counter() - start)
+    return fastest / num_bytes
 
 
 def _clamp_stalls(
@@ -1060,6 +1095,7 @@ def _device_profile(rank: int, host: str, record: dict[str, Any]) -> DeviceProfi
         parameter_bytes=timings.parameter_bytes,
         reference_microbatch_size=timings.microbatch_size,
         fixed_s=timings.fixed_s,
+        optimizer_s_per_byte=timings.optimizer_s_per_byte,
         cpu_share=cpu_share,
         cpu_period_s=cpu_period_s,
         capability=capability_score(

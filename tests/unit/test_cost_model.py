@@ -375,6 +375,29 @@ def test_memory_and_optimizer_terms() -> None:
     assert in_flight_microbatches("gpipe", 2, 4) == (4, 4)
 
 
+def test_measured_optimizer_rate_replaces_the_constant() -> None:
+    profile = make_profile(speeds=[1.0, 1.0, 1.0], num_blocks=2, parameter_bytes=1000)
+    rates = [2e-4, 0.0, 5e-4]  # rank 1 not measured: the configured constant
+    profile = dataclasses.replace(
+        profile,
+        devices=tuple(
+            dataclasses.replace(d, optimizer_s_per_byte=rate)
+            for d, rate in zip(profile.devices, rates, strict=True)
+        ),
+    )
+    config = CostModelConfig(optimizer_s_per_byte=1e-4)
+    stages = [
+        StagePlan(block_range=(0, 1), ranks=(0, 1), batch_shares=(0.5, 0.5)),
+        StagePlan(block_range=(1, 2), ranks=(2,), batch_shares=(1.0,)),
+    ]
+    # Stage 0: max(2e-4, 1e-4) x 1000 B = 0.2 s; stage 1: 5e-4 x 1000 B = 0.5 s; the slowest.
+    assert predict(profile, stages, "1f1b", 2, 2, config=config).optimizer_s == pytest.approx(0.5)
+    first_only = [StagePlan(block_range=(0, 2), ranks=(0, 1), batch_shares=(0.5, 0.5))]
+    assert predict(profile, first_only, "1f1b", 2, 2, config=config).optimizer_s == pytest.approx(
+        2e-4 * 2000
+    )
+
+
 def test_predict_rejects_bad_input() -> None:
     profile = make_profile(speeds=[1.0, 1.0], num_blocks=2)
     with pytest.raises(ValueError, match="schedule"):

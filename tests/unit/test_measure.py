@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -60,6 +61,34 @@ def test_mlp_times_bytes_and_no_side_effects() -> None:
     assert t.parameter_bytes == ((8 * 32 + 32) * 4, (32 * 64 + 64 + 2 * 64) * 4, (64 * 5 + 5) * 4)
     _assert_untouched(blocks, before)
     assert torch.equal(torch.random.get_rng_state(), rng_before)
+
+
+def test_optimizer_rate_times_an_adam_step_on_the_largest_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    blocks = _mlp()
+    before = _snapshot(blocks)
+    adam_step = torch.optim.Adam.step
+    stepped: list[int] = []
+
+    def slow_step(self: torch.optim.Adam, *args: Any, **kwargs: Any) -> Any:
+        stepped.append(sum(p.numel() for group in self.param_groups for p in group["params"]))
+        time.sleep(0.005)
+        return adam_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", slow_step)
+    t = measure_blocks(blocks, torch.randn(6, 8), repeats=3, warmup=1, sustain_s=0.0)
+    largest = max(t.parameter_bytes)
+    assert set(stepped) == {largest // 4}  # clones of the largest block's parameters only
+    assert len(stepped) == 1 + 1 + 3  # state creation, warm-up, timed repeats
+    assert 0.005 <= t.optimizer_s_per_byte * largest < 0.5
+    _assert_untouched(blocks, before)  # the model's own parameters are not stepped
+    assert (
+        measure_blocks(
+            [nn.ReLU(), nn.Tanh()], torch.randn(4, 8), sustain_s=0.0
+        ).optimizer_s_per_byte
+        == 0.0
+    )
 
 
 class _Sleepy(nn.Module):

@@ -246,6 +246,11 @@ _MISSING = object()
         (("devices", 0, "fixed_s"), [0.01, 1.0, 0.0], "devices[0].fixed_s[1]: 1.0 s is more"),
         (("devices", 0, "fixed_s"), [0.0, -0.01, 0.0], "devices[0].fixed_s[1]: expected a non-"),
         (("model_fingerprint",), 123, "model_fingerprint: expected a non-empty string, got 123"),
+        (
+            ("devices", 0, "optimizer_s_per_byte"),
+            -1e-9,
+            "devices[0].optimizer_s_per_byte: expected a non-negative",
+        ),
         (("devices", 1, "cpu_share"), 0.0, "devices[1].cpu_share: expected a fraction of a core"),
         (("devices", 1, "cpu_share"), 1.5, "devices[1].cpu_share: expected a fraction of a core"),
         (("devices", 1, "cpu_period_s"), -0.1, "devices[1].cpu_period_s: expected a non-negative"),
