@@ -853,7 +853,7 @@ class DeepCEEStrategy(DDPStrategy):
             gc.collect()
             gc.freeze()
             self._gc_frozen = True
-            if self.verbose and self.global_rank == 0:
+            if self.verbose:
                 rank_zero_info(
                     f"DeepCEE: froze {gc.get_freeze_count():,} objects for the garbage collector "
                     f"({time.perf_counter() - started:.2f} s); later collections skip them"

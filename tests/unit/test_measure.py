@@ -72,7 +72,9 @@ def test_optimizer_rate_times_an_adam_step_on_the_largest_block(
     stepped: list[int] = []
 
     def slow_step(self: torch.optim.Adam, *args: Any, **kwargs: Any) -> Any:
-        stepped.append(sum(p.numel() for group in self.param_groups for p in group["params"]))
+        params = [p for group in self.param_groups for p in group["params"]]
+        assert all(p.grad is not None and bool(p.grad.any()) for p in params)  # not all zero
+        stepped.append(sum(p.numel() for p in params))
         time.sleep(0.005)
         return adam_step(self, *args, **kwargs)
 
