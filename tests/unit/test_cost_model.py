@@ -396,6 +396,10 @@ def test_measured_optimizer_rate_replaces_the_constant() -> None:
     assert predict(profile, first_only, "1f1b", 2, 2, config=config).optimizer_s == pytest.approx(
         2e-4 * 2000
     )
+    unmeasured = [StagePlan(block_range=(0, 2), ranks=(1,), batch_shares=(1.0,))]
+    assert predict(profile, unmeasured, "1f1b", 2, 2, config=config).optimizer_s == pytest.approx(
+        1e-4 * 2000
+    )
 
 
 def test_predict_rejects_bad_input() -> None:
