@@ -24,7 +24,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _models import TinyNet, make_loader
 
 import lightning_deepcee
-from lightning_deepcee import DeepCEEStrategy, DynamicEnvironmentAdapter, consolidate_checkpoint
+from lightning_deepcee import (
+    DeepCEEStrategy,
+    DynamicEnvironmentAdapter,
+    PipelineThroughputMonitor,
+    consolidate_checkpoint,
+)
 
 warnings.filterwarnings("ignore")
 
@@ -83,6 +88,8 @@ def _callbacks(cfg: dict[str, Any]) -> list[pl.Callback]:
     callbacks: list[pl.Callback] = []
     if "change_microbatches" in cfg:
         callbacks.append(_ChangeMicrobatches({int(k): v for k, v in cfg["change_microbatches"]}))
+    if cfg.get("monitor"):
+        callbacks.append(PipelineThroughputMonitor(window_size=10, log_every_n_steps=1))
     if cfg.get("adapter"):
         callbacks.append(
             DynamicEnvironmentAdapter(calibration_steps=2, window=2, react_after=1, min_bytes=1)
@@ -145,9 +152,12 @@ def run(cfg: dict[str, Any], out: Path) -> None:
     trainer.fit(model, loader)
     _save_params(model, target / f"rank{rank}.pt")
     stats = trainer.strategy.last_step_stats
-    (target / f"rank{rank}_stats.json").write_text(
-        json.dumps({"grad_sync_s": stats.grad_sync_s, "wall_s": stats.wall_s})
-    )
+    figures: dict[str, Any] = {"grad_sync_s": stats.grad_sync_s, "wall_s": stats.wall_s}
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, PipelineThroughputMonitor):
+            figures["cost_model"] = callback.cost_model_check()
+            figures["compared_steps"] = len(callback._predicted_times)
+    (target / f"rank{rank}_stats.json").write_text(json.dumps(figures))
     if cfg.get("consolidate"):
         trainer.save_checkpoint(target / "final.ckpt")
         if rank == 0:

@@ -165,11 +165,11 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
         # A saved plan with asymmetric data parallelism inside stage 0 (receives posted when
         # the schedule reaches them; every other run receives ahead, the default).
         {"name": "plan", "plan": _asymmetric_plan(tmp_path / "plan.json"), "steps": 3,
-         "receive_ahead": False},
+         "receive_ahead": False, "monitor": True},
         # The same layout with a fitted compact schedule; re-split to 4 micro-batches (ZB-H1)
         # for one step and back to the plan's 3 (its own actions again).
         {"name": "compact", "plan": _compact_plan(tmp_path / "compact.json"), "steps": 4,
-         "change_microbatches": [[1, 4], [2, 3]]},
+         "change_microbatches": [[1, 4], [2, 3]], "monitor": True},
         # The adapter's fast response changes the split between steps: still exact.
         {"name": "resplit", "schedule": "zb-h1", "num_microbatches": 2, "steps": 4,
          "change_microbatches": [[1, 4], [2, 3], [3, 2]]},
@@ -219,6 +219,15 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
     ]
     assert all(0 < s["grad_sync_s"] < s["wall_s"] for s in sync[:2]), sync
     assert all(s["grad_sync_s"] == 0 for s in sync[2:]), sync
+    # The monitor compares the plan's prediction (1 s) with steps 2 and 3 (step 1 is warm-up).
+    check = sync[0]["cost_model"]
+    assert sync[0]["compared_steps"] == 2 and check["deepcee/predicted_step_s"] == 1.0, sync
+    assert 0 < 1 / (1 + check["deepcee/cost_model_error"]) < 1.0, check  # measured, in seconds
+    # Compact: step 1 is warm-up, step 2 runs 4 micro-batches (not the plan), step 3 is the
+    # plan's again (skipped as a change), so only step 4 is compared with the prediction.
+    compact = json.loads((tmp_path / "compact" / "rank0_stats.json").read_text())
+    assert compact["compared_steps"] == 1, compact
+    assert compact["cost_model"]["deepcee/predicted_step_s"] == 1.0, compact
     _assert_equal(_merged(tmp_path / "compact", world), _reference(4))
     _assert_equal(_merged(tmp_path / "resplit", world), _reference(4))
     _assert_equal(_merged(tmp_path / "adapter", world), _reference(6))
