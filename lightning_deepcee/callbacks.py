@@ -147,27 +147,28 @@ class PipelineThroughputMonitor(Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
 
     def cost_model_check(self) -> dict[str, float]:
-        """``deepcee/predicted_step_s``, ``deepcee/cost_model_error`` and the measured side.
+        """``deepcee/predicted_step_s`` and ``deepcee/cost_model_error`` of the current plan.
 
         Empty until a step has run under a plan's prediction (see the class docstring).
         """
         if self._prediction is None or not self._predicted_times:
             return {}
-        measured = sum(self._predicted_times) / len(self._predicted_times)
         return {
             "deepcee/predicted_step_s": self._prediction,
-            "deepcee/cost_model_error": self._prediction / measured - 1.0,
+            "deepcee/cost_model_error": self._prediction / self._measured_s() - 1.0,
         }
+
+    def _measured_s(self) -> float:
+        return sum(self._predicted_times) / len(self._predicted_times)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         check = self.cost_model_check()
         if check:
-            measured = sum(self._predicted_times) / len(self._predicted_times)
             rank_zero_info(
                 f"PipelineThroughputMonitor: the plan predicted "
                 f"{check['deepcee/predicted_step_s'] * 1e3:.0f} ms a step, the last "
-                f"{len(self._predicted_times)} steps took {measured * 1e3:.0f} ms "
+                f"{len(self._predicted_times)} steps took {self._measured_s() * 1e3:.0f} ms "
                 f"(cost-model error {check['deepcee/cost_model_error']:+.0%})"
             )
 

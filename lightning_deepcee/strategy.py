@@ -126,6 +126,9 @@ class DeepCEEStrategy(DDPStrategy):
             and the cluster are unchanged (otherwise re-measured with a warning).
         profile_budget_s: the network measurement fails with an error naming the pair it was
             measuring when it takes longer than this.
+        profile_rounds: the block timings are measured this many times in a row and every
+            figure taken at its median (one reading under a CPU quota moved 3-20% between
+            rounds on the lab); 1 measures once, for a quicker setup.
         timeout_s: seconds a collective or transfer may block before the process group fails;
             a dead device or link therefore stops every rank within about this long (plus a
             3 s look at the heartbeats), with a ``DeviceLostError`` naming the lost rank, its
@@ -159,6 +162,7 @@ class DeepCEEStrategy(DDPStrategy):
         profile: bool = False,
         profile_cache: str | None = None,
         profile_budget_s: float = 60.0,
+        profile_rounds: int = 3,
         timeout_s: float = 60.0,
         verbose: bool = True,
         receive_ahead: bool = True,
@@ -215,9 +219,16 @@ class DeepCEEStrategy(DDPStrategy):
         self._num_stages_arg = num_stages
         if profile_budget_s <= 0:
             raise ValueError(f"DeepCEEStrategy(profile_budget_s={profile_budget_s}) must be > 0.")
+        if isinstance(profile_rounds, bool) or not isinstance(profile_rounds, int):
+            raise ValueError(
+                f"DeepCEEStrategy(profile_rounds={profile_rounds!r}) must be a positive integer."
+            )
+        if profile_rounds < 1:
+            raise ValueError(f"DeepCEEStrategy(profile_rounds={profile_rounds}) must be >= 1.")
         self.profile = profile or profile_cache is not None or self.plan_arg == "auto"
         self.profile_cache = profile_cache
         self.profile_budget_s = profile_budget_s
+        self.profile_rounds = profile_rounds
         self.cluster_profile: ClusterProfile | None = None
         self.device_groups: DeviceGroups | None = None
         self.verbose = verbose
@@ -423,6 +434,7 @@ class DeepCEEStrategy(DDPStrategy):
             sample_batch=micro,
             device=self.root_device,
             budget_s=self.profile_budget_s,
+            rounds=self.profile_rounds,
         )
         blocks, sample = list(self.spec.blocks), self.spec.input_fn(micro)
         began = time.perf_counter()

@@ -27,7 +27,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["DeviceLostError", "Heartbeat", "default_store", "find_lost_ranks", "lost_message"]
+__all__ = [
+    "DeviceLostError",
+    "Heartbeat",
+    "default_store",
+    "find_lost_ranks",
+    "lost_message",
+    "wait_for_ranks",
+]
 
 
 class DeviceLostError(RuntimeError):
@@ -136,3 +143,51 @@ def lost_message(
             "too slow for the timeout"
         )
     return f"{who}. The step failed with {type(cause).__name__}: {cause}"
+
+
+def wait_for_ranks(
+    store: Any,
+    rank: int,
+    world_size: int,
+    name: str,
+    *,
+    stale_s: float = 15.0,
+    limit_s: float = 1800.0,
+    poll_s: float = 0.2,
+) -> None:
+    """Count ``rank`` in at ``name`` and block until all ``world_size`` ranks are in.
+
+    For a wait whose length nobody knows in advance (a slow device timing its blocks): a
+    collective would fail after the process group's timeout, however alive the device it waits
+    for. Here a rank still working is waited for as long as its :class:`Heartbeat` advances; one
+    whose heartbeat stands still for ``stale_s`` raises :class:`DeviceLostError` naming it. A rank
+    that runs no heartbeat (its counter stays 0) is waited for up to ``limit_s``. Every rank must
+    call this with the same ``name``, once.
+    """
+    key = f"{_prefix()}/arrive/{name}"
+    store.set(f"{key}/{rank}", "1")
+    store.add(key, 1)
+    start = last_check = time.monotonic()
+    beats = _beats(store, world_size)
+    moved = [start] * world_size
+    while int(store.add(key, 0)) < world_size:
+        time.sleep(poll_s)
+        now = time.monotonic()
+        if now - last_check < 1.0:
+            continue
+        last_check = now
+        latest = _beats(store, world_size)
+        moved = [now if b != a else t for a, b, t in zip(beats, latest, moved, strict=True)]
+        beats = latest
+        waiting = [r for r in range(world_size) if not store.check([f"{key}/{r}"])]
+        lost = [r for r in waiting if beats[r] > 0 and now - moved[r] > stale_s]
+        if lost or now - start > limit_s:
+            raise DeviceLostError(
+                f"waiting at {name!r} for rank(s) {waiting}: "
+                + (
+                    f"the heartbeat of {lost} stood still for {stale_s:.0f} s"
+                    if lost
+                    else f"still not there after {limit_s:.0f} s"
+                ),
+                lost or None,
+            )

@@ -47,9 +47,12 @@ Runtime layer: torch and torch.distributed, never lightning.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import os
 import socket
+import statistics
 import tempfile
 import time
 import warnings
@@ -75,6 +78,7 @@ from lightning_deepcee.profiler.data import (
 )
 from lightning_deepcee.profiler.grouping import group_by_network
 from lightning_deepcee.runtime.cpu_quota import read_cpu_quota
+from lightning_deepcee.runtime.liveness import DeviceLostError, default_store, wait_for_ranks
 from lightning_deepcee.runtime.transport import wire_device
 
 __all__ = [
@@ -169,6 +173,7 @@ def measure_blocks(
     repeats: int = 5,
     warmup: int = 2,
     sustain_s: float = 0.5,
+    rounds: int = 1,
 ) -> BlockTimings:
     """Time forward, ``B`` and ``W`` of each block on one micro-batch, on ``sample_input.device``.
 
@@ -207,12 +212,59 @@ def measure_blocks(
       as measured: a device under its quota on average still stalls whenever a burst of
       actions spends the period's budget, and those stalls sit on the pipeline's critical path.)
 
+    **Rounds.** With ``rounds > 1`` all of the above runs that many times in a row and every
+    figure is the median over the rounds, entry by entry. One round's sustained factor is how
+    much of its CPU quota a device got over a few seconds: on the lab the same device measured
+    3-20% apart in rounds 20 s apart, and the search then favours whichever plan a low reading
+    makes look fast (``benchmarks/results/experiments/profile_repeat/``).
+
     Side-effect free: parameters are not updated, each parameter's ``.grad`` is restored (to
     ``None`` if it was unset), buffers (BatchNorm statistics) are restored and the global RNG
     state (dropout) is forked. Modules stay in their current train/eval mode.
     """
     blocks = list(blocks)
     _check_measure_arguments(blocks, sample_input, loss_fn, sample_batch, repeats, warmup)
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds: expected a positive integer, got {rounds!r}")
+    return _median_timings(
+        [
+            _measure_round(blocks, sample_input, loss_fn, sample_batch, repeats, warmup, sustain_s)
+            for _ in range(rounds)
+        ]
+    )
+
+
+def _median_timings(rounds: Sequence[BlockTimings]) -> BlockTimings:
+    """Every figure of ``rounds`` (one or more measurements of the same blocks) at its median."""
+    if len(rounds) == 1:
+        return rounds[0]
+
+    def per_block(name: str) -> tuple[float, ...]:
+        columns = zip(*(getattr(r, name) for r in rounds), strict=True)
+        return tuple(statistics.median(column) for column in columns)
+
+    first = rounds[0]
+    return dataclasses.replace(
+        first,
+        forward_s=per_block("forward_s"),
+        backward_input_s=per_block("backward_input_s"),
+        backward_weight_s=per_block("backward_weight_s"),
+        fixed_s=per_block("fixed_s"),
+        optimizer_s_per_byte=statistics.median(r.optimizer_s_per_byte for r in rounds),
+        sustained_factor=statistics.median(r.sustained_factor for r in rounds),
+    )
+
+
+def _measure_round(
+    blocks: list[nn.Module],
+    sample_input: torch.Tensor,
+    loss_fn: LossFn | None,
+    sample_batch: Any,
+    repeats: int,
+    warmup: int,
+    sustain_s: float,
+) -> BlockTimings:
+    """One round of :func:`measure_blocks` (arguments already checked)."""
     device = sample_input.device
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     size = len(sample_input)
@@ -1015,6 +1067,7 @@ def profile_cluster(
     network_repeats: int = 3,
     budget_s: float = 60.0,
     op_timeout_s: float | None = None,
+    rounds: int = 3,
 ) -> ClusterProfile:
     """Measure every rank's blocks and every link; every rank returns the same profile.
 
@@ -1022,8 +1075,9 @@ def profile_cluster(
     partitioning), already on ``device`` (default: the device of the first parameter).
     ``sample_input`` is one reference micro-batch (moved to
     ``device``; ``sample_batch``, read only by ``loss_fn``, is not moved). ``budget_s`` bounds the
-    network measurement (:func:`measure_network`); the device kind comes from
-    ``$DEEPCEE_DEVICE_KIND`` (default: the torch device type).
+    network measurement (:func:`measure_network`); ``rounds`` is :func:`measure_blocks`' (the
+    median of that many measurements); the device kind comes from ``$DEEPCEE_DEVICE_KIND``
+    (default: the torch device type).
     """
     device = _device_of(blocks, device)
     hosts, model_fp = _identities(blocks, group)
@@ -1034,7 +1088,9 @@ def profile_cluster(
         sample_batch=sample_batch,
         repeats=repeats,
         warmup=warmup,
+        rounds=rounds,
     )
+    _wait_for_slowest_rank(group, "blocks")
     local = {
         "kind": os.environ.get(DEVICE_KIND_ENV, "").strip() or device.type,
         "memory_bytes": available_memory_bytes(device),
@@ -1062,6 +1118,29 @@ def profile_cluster(
         model_fingerprint=model_fp,
         cluster_fingerprint=fingerprint_cluster(hosts),
     )
+
+
+_WAITS = itertools.count()
+"""Numbers the waits of this process; every rank makes the same ones, so they agree."""
+
+
+def _wait_for_slowest_rank(group: dist.ProcessGroup | None, phase: str) -> None:
+    """Wait, without the process group's timeout, until every rank has finished ``phase``.
+
+    The block timings take as long as the slowest device needs: on the lab an end device's
+    three rounds took 57-75 s, and the other ranks, waiting in the gather that follows, hit the
+    60 s timeout ``DeepCEEStrategy`` gives its process group. So the ranks meet in the store
+    first (:func:`~lightning_deepcee.runtime.liveness.wait_for_ranks`: as long as the slow rank's
+    heartbeat advances). A sub-group, or a run without a store, keeps the gather's timeout.
+    """
+    store = default_store()
+    world = dist.get_world_size()
+    if store is None or world == 1 or dist.get_world_size(group) != world:
+        return
+    try:
+        wait_for_ranks(store, dist.get_rank(), world, f"profile/{phase}/{next(_WAITS)}")
+    except DeviceLostError as exc:
+        raise ProfilingTimeoutError(f"profile_cluster: {exc}") from exc
 
 
 def _cpu_quota(device: torch.device) -> tuple[float, float]:

@@ -134,3 +134,71 @@ def test_silent_peer_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     mp.spawn(_silent_peer_worker, args=(init, str(tmp_path)), nprocs=2, join=True)
     message = (tmp_path / "silent.txt").read_text()
     assert "rank 0 (cloud-0): could not send to rank 1 (edge-1)" in message, message
+
+
+class _Slow(nn.Module):
+    """A block whose forward sleeps: a device whose block timings take longer than the timeout."""
+
+    def __init__(self, sleep_s: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.sleep_s = sleep_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.sleep_s)
+        return self.linear(x)
+
+
+def _slow_rank_worker(rank: int, world: int, init: str, out: str) -> None:
+    from datetime import timedelta
+
+    from lightning_deepcee.runtime.liveness import (
+        DeviceLostError,
+        Heartbeat,
+        default_store,
+        wait_for_ranks,
+    )
+
+    torch.set_num_threads(1)
+    # A 2 s timeout, as DeepCEEStrategy(timeout_s=2) would give: rank 1 measures for longer.
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=2)
+    )
+    store = default_store()
+    beat = Heartbeat(store, rank, interval_s=0.2).start()
+    result: dict[str, object] = {}
+    blocks = [_Slow(1.0 if rank == 1 else 0.0), nn.Linear(4, 2)]
+    start = time.perf_counter()
+    profile = profile_cluster(
+        blocks, torch.randn(8, 4), repeats=1, warmup=0, rounds=1, network_repeats=1,
+        large_bytes=4096,
+    )  # fmt: skip
+    result["profile_s"] = time.perf_counter() - start
+    result["forward_s"] = [sum(d.forward_s) for d in profile.devices]
+    # A rank whose heartbeat stops and that never arrives is named, well before any timeout.
+    if rank == 1:
+        beat.stop()
+        time.sleep(6.0)
+    else:
+        start = time.perf_counter()
+        try:
+            wait_for_ranks(store, rank, world, "gone", stale_s=1.0)
+            result["lost"] = None
+        except DeviceLostError as exc:
+            result["lost"] = list(exc.lost_ranks or [])
+            result["lost_after_s"] = time.perf_counter() - start
+    (Path(out) / f"slow{rank}.json").write_text(json.dumps(result))
+    beat.stop()
+
+
+def test_profile_cluster_waits_for_a_device_slower_than_the_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    init = f"file://{tmp_path / 'store'}"
+    mp.spawn(_slow_rank_worker, args=(2, init, str(tmp_path)), nprocs=2, join=True)
+    fast, slow = (json.loads((tmp_path / f"slow{r}.json").read_text()) for r in range(2))
+    # Rank 1 timed its blocks for several times the 2 s timeout; rank 0 waited and both agree.
+    assert slow["profile_s"] > 4.0 and fast["profile_s"] > 4.0, (fast, slow)
+    assert fast["forward_s"] == slow["forward_s"] and slow["forward_s"][1] > 0.9
+    assert fast["lost"] == [1] and fast["lost_after_s"] < 5.0, fast

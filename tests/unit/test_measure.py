@@ -209,6 +209,43 @@ def test_parameterless_block_and_arguments() -> None:
         measure_blocks(blocks, torch.randn(2, 3), loss_fn=lambda o, b: o.sum())
 
 
+class _StalledRound(nn.Module):
+    """A linear layer whose forward sleeps ``stall_s`` on calls ``first`` to ``last - 1``."""
+
+    def __init__(self, first: int = 0, last: int = 0, stall_s: float = 0.0) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.first, self.last, self.stall_s = first, last, stall_s
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first <= self.calls < self.last:
+            time.sleep(self.stall_s)
+        self.calls += 1
+        return self.linear(x)
+
+
+def test_rounds_take_every_figure_at_its_median() -> None:
+    """A device throttled through one whole round (a low reading of its quota) is outvoted."""
+    options: dict[str, Any] = dict(repeats=3, warmup=1, sustain_s=0.0)
+    probe = _StalledRound()
+    measure_blocks([probe, nn.Linear(8, 8)], torch.randn(16, 8), **options)
+    per_round = probe.calls  # forward calls of one round (no sustained window: a fixed count)
+    stalled = _StalledRound(first=per_round, last=2 * per_round, stall_s=0.05)
+    blocks: list[nn.Module] = [stalled, nn.Linear(8, 8)]
+    once = measure_blocks(blocks, torch.randn(16, 8), **options)  # round 1: no stall
+    assert once.forward_s[0] < 0.01
+    alone = measure_blocks(blocks, torch.randn(16, 8), **options)  # round 2: all stalled
+    assert alone.forward_s[0] > 0.04
+    stalled.calls = 0
+    t = measure_blocks(blocks, torch.randn(16, 8), rounds=3, **options)
+    assert stalled.calls == 3 * per_round  # three whole rounds ran
+    assert t.forward_s[0] < 0.01  # the median of three, not their mean (about 17 ms)
+    assert t.activation_bytes == once.activation_bytes and len(t.fixed_s) == 2
+    with pytest.raises(ValueError, match="rounds: expected a positive integer, got 0"):
+        measure_blocks(blocks, torch.randn(16, 8), rounds=0)
+
+
 @pytest.mark.parametrize("num_ranks", range(1, 10))
 def test_round_robin_rounds_cover_every_pair_once(num_ranks: int) -> None:
     rounds = round_robin_rounds(num_ranks)
