@@ -1127,9 +1127,10 @@ _WAITS = itertools.count()
 def _wait_for_slowest_rank(group: dist.ProcessGroup | None, phase: str) -> None:
     """Wait, without the process group's timeout, until every rank has finished ``phase``.
 
-    The block timings take as long as the slowest device needs: on the lab an end device's
-    three rounds took 57-75 s, and the other ranks, waiting in the gather that follows, hit the
-    60 s timeout ``DeepCEEStrategy`` gives its process group. So the ranks meet in the store
+    The block timings take as long as the slowest device needs: on the lab with a 10 ms CPU
+    period the end devices' three rounds took over a minute, and the other ranks, waiting in the
+    gather that follows, hit the 60 s timeout ``DeepCEEStrategy`` gives its process group (two
+    of three runs failed so). So the ranks meet in the store
     first (:func:`~lightning_deepcee.runtime.liveness.wait_for_ranks`: as long as the slow rank's
     heartbeat advances). A sub-group, or a run without a store, keeps the gather's timeout.
     """
