@@ -29,9 +29,8 @@ import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from lightning_deepcee.planner.cost_model import predict
+from lightning_deepcee.planner.cost_model import predict_plan
 from lightning_deepcee.planner.plan import Plan
 from lightning_deepcee.profiler.data import ClusterProfile
 
@@ -68,22 +67,9 @@ def load_runs(path: str | Path) -> list[PlannedRun]:
     return runs
 
 
-def _predict(plan: Plan, profile: ClusterProfile) -> float:
-    stage_schedule = plan.stage_schedule() if plan.schedule == "compact" else None
-    prediction = predict(
-        profile,
-        plan.stages,
-        plan.schedule,
-        plan.num_microbatches,
-        plan.global_batch_size,
-        stage_schedule=stage_schedule,
-    )
-    return prediction.step_time_s
-
-
 def cross_predictions(runs: list[PlannedRun]) -> list[list[float]]:
     """``table[i][j]``: run ``i``'s plan predicted under run ``j``'s profile, in seconds."""
-    return [[_predict(run.plan, other.profile) for other in runs] for run in runs]
+    return [[predict_plan(other.profile, run.plan).step_time_s for other in runs] for run in runs]
 
 
 def _error(predicted_s: float, measured_s: float) -> str:
@@ -118,7 +104,7 @@ def report(name: str, runs: list[PlannedRun], table: list[list[float]]) -> str:
     lines += [
         "",
         f"Own profile the most optimistic for its plan: {first} of {len(runs)} runs "
-        f"(by chance alone one in {len(runs)} per run, so {len(runs) / len(runs):.0f} expected). "
+        f"(by chance alone one in {len(runs)} per run, so 1 expected). "
         f"Mean |error|: {statistics.fmean(own_errors):.1%} with the run's own profile, "
         f"{statistics.fmean(other_errors):.1%} with the other profiles' median.",
         "",
@@ -157,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(sections)
     print(text)
     if args.out:
-        header: list[Any] = [
+        header = [
             "# Every plan under every profile (`benchmarks/profile_spread.py`)",
             "",
             "```bash",

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_deepcee.adapter.monitor import Link, LinkState
-from lightning_deepcee.planner.cost_model import predict
+from lightning_deepcee.planner.cost_model import predict_plan
 from lightning_deepcee.planner.plan import Plan
 from lightning_deepcee.planner.search import plan_search
 from lightning_deepcee.profiler.data import ClusterProfile
@@ -216,14 +216,7 @@ def choose_replan(
     """
     if not (isinstance(gain, int | float) and not isinstance(gain, bool) and 0 <= gain < 1):
         raise ValueError(f"choose_replan: gain must be in [0, 1), got {gain!r}")
-    current_s = predict(
-        profile,
-        current.stages,
-        current.schedule,
-        current.num_microbatches,
-        current.global_batch_size,
-        stage_schedule=current.stage_schedule() if current.schedule == "compact" else None,
-    ).step_time_s
+    current_s = predict_plan(profile, current).step_time_s
     try:
         new = search(
             profile, num_blocks=current.num_blocks, global_batch_size=current.global_batch_size

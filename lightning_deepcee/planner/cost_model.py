@@ -83,7 +83,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lightning_deepcee.planner.plan import StagePlan
+from lightning_deepcee.planner.plan import Plan, StagePlan
 from lightning_deepcee.profiler.data import ClusterProfile
 from lightning_deepcee.profiler.grouping import group_by_network
 from lightning_deepcee.schedule.actions import ActionKind
@@ -98,6 +98,7 @@ __all__ = [
     "allreduce_time_s",
     "in_flight_microbatches",
     "predict",
+    "predict_plan",
     "speed_shares",
     "stage_costs",
     "transfer_time_s",
@@ -617,6 +618,22 @@ def predict(
         config,
         breakdown=True,
         stage_schedule=stage_schedule,
+    )
+
+
+def predict_plan(
+    profile: ClusterProfile, plan: Plan, *, config: CostModelConfig | None = None
+) -> Prediction:
+    """:func:`predict` of a saved or running ``plan`` (a compact plan with its own actions) on
+    ``profile``: the same figure the search gave it when ``profile`` is the one it was made on."""
+    return predict(
+        profile,
+        plan.stages,
+        plan.schedule,
+        plan.num_microbatches,
+        plan.global_batch_size,
+        config=config,
+        stage_schedule=plan.stage_schedule() if plan.schedule == "compact" else None,
     )
 
 
