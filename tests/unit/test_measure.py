@@ -10,8 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_deepcee.profiler.data import DeviceProfile
 from lightning_deepcee.runtime.measure import (
     BlockTimings,
+    _median_timings,
     available_memory_bytes,
     measure_blocks,
     model_fingerprint,
@@ -244,6 +246,43 @@ def test_rounds_take_every_figure_at_its_median() -> None:
     assert t.activation_bytes == once.activation_bytes and len(t.fixed_s) == 2
     with pytest.raises(ValueError, match="rounds: expected a positive integer, got 0"):
         measure_blocks(blocks, torch.randn(16, 8), rounds=0)
+
+
+def test_median_of_rounds_keeps_each_fixed_part_within_its_block() -> None:
+    """F, B and W medians from different rounds can sum under the median fixed part (CI once
+    failed on 0.1274 ms fixed against a 0.1235 ms block); the fixed part is capped at that sum."""
+
+    def timing(f: float, b: float, w: float, fixed: float) -> BlockTimings:
+        return BlockTimings(
+            forward_s=(f, 1.0),
+            backward_input_s=(b, 1.0),
+            backward_weight_s=(w, 1.0),
+            activation_bytes=(4, 4),
+            parameter_bytes=(8, 8),
+            microbatch_size=8,
+            fixed_s=(fixed, 0.5),
+        )
+
+    # Each round keeps fixed <= its own F+B+W (3, 3, 0); the medians are F=1, B=0, W=1, fixed=3.
+    rounds = [timing(1.0, 0.0, 2.0, 3.0), timing(2.0, 0.0, 1.0, 3.0), timing(0.0, 0.0, 0.0, 0.0)]
+    merged = _median_timings(rounds)
+    assert merged.forward_s == (1.0, 1.0) and merged.backward_weight_s == (1.0, 1.0)
+    assert merged.fixed_s == (2.0, 0.5)  # capped at 1 + 0 + 1; block 1 keeps its median
+    # What failed on CI: the profile of those timings must be valid.
+    DeviceProfile(
+        rank=0,
+        host="h",
+        kind="cpu",
+        memory_bytes=1 << 30,
+        forward_s=merged.forward_s,
+        backward_input_s=merged.backward_input_s,
+        backward_weight_s=merged.backward_weight_s,
+        activation_bytes=merged.activation_bytes,
+        parameter_bytes=merged.parameter_bytes,
+        reference_microbatch_size=merged.microbatch_size,
+        fixed_s=merged.fixed_s,
+        capability=1.0,
+    )
 
 
 @pytest.mark.parametrize("num_ranks", range(1, 10))
