@@ -36,6 +36,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import numpy as np
 import numpy.typing as npt
@@ -195,6 +196,12 @@ class _Scored:
     stage_schedule: StageSchedule | None = None  # "compact" only: the fitted actions
 
 
+def _improves(trial: _Scored | None, best: _Scored) -> TypeGuard[_Scored]:
+    """Whether ``trial`` exists and is faster than ``best`` by more than rounding (1e-9 relative;
+    ties keep the candidate found first, so the search is deterministic)."""
+    return trial is not None and trial.step_time_s < best.step_time_s * (1 - 1e-9)
+
+
 class _Context:
     """Everything one search evaluates candidates against, with memoisation."""
 
@@ -312,7 +319,7 @@ class _Context:
                 bounds = (0, *cuts, n)
                 ranges = tuple(itertools.pairwise(bounds))
                 trial = self.best_over_pairs(current.structure, ranges)
-                if trial is not None and trial.step_time_s < current.step_time_s * (1 - 1e-9):
+                if _improves(trial, current):
                     current = trial
         else:
             for _ in range(max_iter):
@@ -321,7 +328,7 @@ class _Context:
                     trial = self.evaluate(
                         current.structure, ranges, current.schedule, current.num_microbatches
                     )
-                    if trial is not None and trial.step_time_s < best.step_time_s * (1 - 1e-9):
+                    if _improves(trial, best):
                         best = trial
                 if best is current:
                     break
@@ -810,57 +817,52 @@ def _split_second_level(
     """Split stages into their compute groups while that helps: every combination when few
     stages can be split (``_JOINT_SPLIT_GROUPS``), else greedily, one stage at a time."""
     capability = context.profile.capability_vector()
-    options: list[list[tuple[tuple[int, ...], ...]]] = []
-    for ranks in best.structure:
+
+    def compute_parts(ranks: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """The stage's compute groups, fastest first; () when it does not split."""
         parts = group_by_compute(capability, ranks, grouping) if len(ranks) > 1 else ()
         if len(parts) < 2:
-            options.append([(ranks,)])
-            continue
-        parts = tuple(sorted(parts, key=lambda p: -float(capability[list(p)].mean())))
-        options.append([(ranks,), parts, parts[::-1]])
+            return ()
+        return tuple(sorted(parts, key=lambda p: -float(capability[list(p)].mean())))
+
+    def score(structure: tuple[tuple[int, ...], ...]) -> _Scored | None:
+        """The structure's best (schedule, m) on its partition, refined when it is short."""
+        ranges = context.partition(structure)
+        scored = None if ranges is None else context.best_over_pairs(structure, ranges)
+        if scored is not None and len(structure) <= _REFINE_EVERY_SPLIT:
+            scored = context.refine(scored, max_iter)
+        return scored
+
+    options: list[list[tuple[tuple[int, ...], ...]]] = []
+    for ranks in best.structure:
+        parts = compute_parts(ranks)
+        options.append([(ranks,), parts, parts[::-1]] if parts else [(ranks,)])
     if sum(len(o) > 1 for o in options) <= _JOINT_SPLIT_GROUPS:
         for choice in itertools.product(*options):
             structure = tuple(unit for part in choice for unit in part)
             if structure == best.structure:
                 continue
-            ranges = context.partition(structure)
-            scored = None if ranges is None else context.best_over_pairs(structure, ranges)
-            if scored is None:
-                continue
-            if len(structure) <= _REFINE_EVERY_SPLIT:
-                scored = context.refine(scored, max_iter)
-            if scored.step_time_s < best.step_time_s * (1 - 1e-9):
+            scored = score(structure)
+            if _improves(scored, best):
                 best = scored
-        if len(best.structure) > _REFINE_EVERY_SPLIT:
-            best = context.refine(best, max_iter)
-        return best
-    for _ in range(max(1, max_iter)):
-        improved = False
-        for index, ranks in enumerate(best.structure):
-            if len(ranks) < 2:
-                continue
-            parts = group_by_compute(capability, ranks, grouping)
-            if len(parts) < 2:
-                continue
-            parts = tuple(sorted(parts, key=lambda p: -float(capability[list(p)].mean())))
-            candidate = best
-            for ordered in (parts, parts[::-1]):
-                structure = best.structure[:index] + ordered + best.structure[index + 1 :]
-                ranges = context.partition(structure)
-                if ranges is None:
+    else:
+        for _ in range(max(1, max_iter)):
+            improved = False
+            for index, ranks in enumerate(best.structure):
+                parts = compute_parts(ranks)
+                if not parts:
                     continue
-                scored = context.best_over_pairs(structure, ranges)
-                if scored is None:
-                    continue
-                if len(structure) <= _REFINE_EVERY_SPLIT:
-                    scored = context.refine(scored, max_iter)
-                if scored.step_time_s < candidate.step_time_s * (1 - 1e-9):
-                    candidate = scored
-            if candidate is not best:
-                best, improved = candidate, True
+                candidate = best
+                for ordered in (parts, parts[::-1]):
+                    structure = best.structure[:index] + ordered + best.structure[index + 1 :]
+                    scored = score(structure)
+                    if _improves(scored, candidate):
+                        candidate = scored
+                if candidate is not best:
+                    best, improved = candidate, True
+                    break
+            if not improved:
                 break
-        if not improved:
-            break
     if len(best.structure) > _REFINE_EVERY_SPLIT:
         best = context.refine(best, max_iter)
     return best
