@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_deepcee.profiler.data import DeviceProfile
 from lightning_deepcee.runtime.measure import (
     BlockTimings,
+    _device_profile,
     _median_timings,
     available_memory_bytes,
     measure_blocks,
@@ -268,21 +268,9 @@ def test_median_of_rounds_keeps_each_fixed_part_within_its_block() -> None:
     merged = _median_timings(rounds)
     assert merged.forward_s == (1.0, 1.0) and merged.backward_weight_s == (1.0, 1.0)
     assert merged.fixed_s == (2.0, 0.5)  # capped at 1 + 0 + 1; block 1 keeps its median
-    # What failed on CI: the profile of those timings must be valid.
-    DeviceProfile(
-        rank=0,
-        host="h",
-        kind="cpu",
-        memory_bytes=1 << 30,
-        forward_s=merged.forward_s,
-        backward_input_s=merged.backward_input_s,
-        backward_weight_s=merged.backward_weight_s,
-        activation_bytes=merged.activation_bytes,
-        parameter_bytes=merged.parameter_bytes,
-        reference_microbatch_size=merged.microbatch_size,
-        fixed_s=merged.fixed_s,
-        capability=1.0,
-    )
+    # What failed on CI: the device profile built from those timings must be valid.
+    profile = _device_profile(0, "h", {"timings": merged, "kind": "cpu", "memory_bytes": 1 << 30})
+    assert profile.fixed_s == merged.fixed_s
 
 
 @pytest.mark.parametrize("num_ranks", range(1, 10))
