@@ -54,6 +54,18 @@ and a list of :class:`~lightning_deepcee.planner.plan.StagePlan` into per-stage 
   (see the simulator's docstring). A stage takes the quota of its slowest device. Without it,
   every wait is charged at the sustained speed and the lab's ZB-H1 plans with four micro-batches
   were predicted 16-20% slow.
+- **Host CPU under a quota.** A quota-limited device also spends CPU outside its blocks: the
+  Lightning loop, hooks and logging, and the handling of every byte it sends or receives
+  (activations, their gradients, the stage's all-reduce). At its quota that CPU costs
+  ``cpu / cpu_share`` of wall time, and the device cannot finish a step sooner than its compute
+  (at sustained speed), its optimizer step and that host time together: the step is at least the
+  slowest such device's sum (``Prediction.cpu_floor_s``). The host CPU is
+  ``CostModelConfig.host_cpu_s_per_step + host_cpu_s_per_byte * bytes``, constants fitted to
+  the lab's runs (18 ms and 0.7 ms per MB at full speed), not measured per device. Without it a
+  6-stage plan with an end device (12% of a core) to itself was predicted 797 ms and ran 1000:
+  that device spent 120 ms of CPU a step, 28 ms of it outside its blocks, and 120 ms at 12% of
+  a core is the whole step. Devices without a quota are not charged (a host that is not held
+  back does that work in its waits).
 - **All-reduce.** After its last W, each stage's group all-reduces its gradients with a ring:
   ``2 (n-1)/n * parameter_bytes / min_bandwidth + 2 (n-1) * max_latency`` over the group's pairs.
   The slowest stage's all-reduce is added to the step.
@@ -65,7 +77,8 @@ and a list of :class:`~lightning_deepcee.planner.plan.StagePlan` into per-stage 
 - **Memory.** ``parameter_bytes * state_copies`` (weights, gradients, two Adam moments) plus the
   simulator's peak of in-flight activations, scaled by the device's share.
 
-``step_time_s = simulated pipeline + slowest stage all-reduce + optimizer``. See
+``step_time_s = simulated pipeline + slowest stage all-reduce + optimizer``, or the CPU floor
+when that is longer. See
 ``docs/planner.md`` for the correspondence with DeepCEE's Eq. 1.
 
 Pure: numpy and the standard library (no torch, no lightning).
@@ -117,17 +130,26 @@ class CostModelConfig:
     tensors per parameter; 1e-10 s/B is ~40 GB/s of effective memory traffic."""
     state_copies: int = 4
     """Bytes held per parameter byte: the weights, their gradient and Adam's two moments."""
+    host_cpu_s_per_step: float = 0.018
+    """CPU seconds (at full speed) a device spends per step outside its blocks' compute and its
+    optimizer: Lightning's loop, hooks and logging, the executor's bookkeeping. Only charged to
+    devices under a CPU quota (see the module docstring's *Host CPU under a quota*); 18 ms is the
+    fit over the lab's 15 planned runs of 2026-12-01 (residual 6 ms), not a per-device
+    measurement."""
+    host_cpu_s_per_byte: float = 0.7e-9
+    """CPU seconds per byte a device sends or receives (activations, their gradients and the
+    stage's gradient all-reduce), charged like ``host_cpu_s_per_step``; 0.7 ms per MB is the
+    same fit (gloo over TCP)."""
 
     def __post_init__(self) -> None:
-        value = self.optimizer_s_per_byte
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not (math.isfinite(value) and value >= 0)
-        ):
-            raise ValueError(
-                f"optimizer_s_per_byte: expected a non-negative finite number, got {value!r}"
-            )
+        for name in ("optimizer_s_per_byte", "host_cpu_s_per_step", "host_cpu_s_per_byte"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and value >= 0)
+            ):
+                raise ValueError(f"{name}: expected a non-negative finite number, got {value!r}")
         if (
             isinstance(self.state_copies, bool)
             or not isinstance(self.state_copies, int)
@@ -143,7 +165,7 @@ class Prediction:
     """What the cost model expects one optimizer step of a plan to cost."""
 
     step_time_s: float
-    """``pipeline_s + allreduce_s + optimizer_s``."""
+    """``pipeline_s + allreduce_s + optimizer_s``, or ``cpu_floor_s`` when that is longer."""
     bubble_ratio: float
     """Idle share of stage-time in the simulated pipeline."""
     peak_memory_bytes: dict[int, int]
@@ -161,6 +183,10 @@ class Prediction:
     """Optimizer step of the largest stage."""
     over_memory_ranks: tuple[int, ...]
     """Ranks whose predicted peak exceeds their ``memory_bytes``; empty when the plan fits."""
+    cpu_floor_s: float = 0.0
+    """The longest step a CPU quota allows (module docstring, *Host CPU under a quota*): the
+    slowest quota-limited device's compute, optimizer and host CPU at its quota; 0 without
+    quotas. ``step_time_s`` is at least this."""
 
     @property
     def fits_memory(self) -> bool:
@@ -179,6 +205,7 @@ class Prediction:
             "allreduce_s": self.allreduce_s,
             "optimizer_s": self.optimizer_s,
             "over_memory_ranks": list(self.over_memory_ranks),
+            "cpu_floor_s": self.cpu_floor_s,
         }
 
 
@@ -687,23 +714,34 @@ def _predict(
             send_backward_s=(0.0,) * (len(stages) - 1),
         )
         transfer_s = max(0.0, pipeline_s - _simulate(free, schedule, m, stage_schedule)[0])
-    allreduce_s = optimizer_s = 0.0
+    allreduce_s = optimizer_s = cpu_floor_s = 0.0
     memory: dict[int, int] = {}
     over: list[int] = []
     for s, stage in enumerate(stages):
         params = arrays.parameter_bytes(stage.block_range)
         allreduce_s = max(allreduce_s, _allreduce(arrays, stage.ranks, params))
         index = np.asarray(stage.ranks)
-        rates = arrays.optimizer_rate[index]
-        rate = float(np.where(rates > 0, rates, config.optimizer_s_per_byte).max())
-        optimizer_s = max(optimizer_s, rate * params)
+        rates = np.where(
+            arrays.optimizer_rate[index] > 0,
+            arrays.optimizer_rate[index],
+            config.optimizer_s_per_byte,
+        )
+        optimizer_s = max(optimizer_s, float(rates.max()) * params)
+        if arrays.has_quota:
+            busy_s = m * (
+                costs.forward_s[s] + costs.backward_input_s[s] + costs.backward_weight_s[s]
+            )
+            cpu_floor_s = max(
+                cpu_floor_s,
+                _cpu_floor(arrays, stages, s, busy_s, rates * params, m * b, config),
+            )
         peaks = np.round(
             config.state_copies * params + activation_peak[s] * np.asarray(stage.batch_shares)
         )
         memory.update(zip(stage.ranks, peaks.astype(np.int64).tolist(), strict=True))
         over.extend(index[peaks > arrays.memory[index]].tolist())
     return Prediction(
-        step_time_s=pipeline_s + allreduce_s + optimizer_s,
+        step_time_s=max(pipeline_s + allreduce_s + optimizer_s, cpu_floor_s),
         bubble_ratio=bubble,
         peak_memory_bytes=dict(sorted(memory.items())),
         pipeline_s=pipeline_s,
@@ -712,4 +750,37 @@ def _predict(
         allreduce_s=allreduce_s,
         optimizer_s=optimizer_s,
         over_memory_ranks=tuple(sorted(over)),
+        cpu_floor_s=cpu_floor_s,
     )
+
+
+def _cpu_floor(
+    arrays: _Arrays,
+    stages: Sequence[StagePlan],
+    s: int,
+    busy_s: float,
+    optimizer_s: npt.NDArray[np.float64],
+    samples: float,
+    config: CostModelConfig,
+) -> float:
+    """Longest time stage ``s``'s quota-limited devices need for a step: their compute
+    (``busy_s``, at sustained speed) and optimizer step, plus the host CPU of the step and of
+    every byte they send or receive, at their quota (``cpu_share``). 0 when none has a quota."""
+    stage = stages[s]
+    start, end = stage.block_range
+    boundary = 0.0  # bytes per sample crossing the stage's edges, each once forward, once back
+    if s > 0:
+        boundary += 2.0 * float(arrays.activation[start - 1])
+    if s < len(stages) - 1:
+        boundary += 2.0 * float(arrays.activation[end - 1])
+    n = len(stage.ranks)
+    ring = 4.0 * (n - 1) / n * arrays.parameter_bytes(stage.block_range)  # sent and received
+    floor = 0.0
+    for rank, share, optimizer in zip(stage.ranks, stage.batch_shares, optimizer_s, strict=True):
+        quota = float(arrays.cpu_share[rank])
+        if quota >= 1.0 or arrays.cpu_period[rank] <= 0.0:
+            continue
+        moved = boundary * samples * share + ring
+        host = config.host_cpu_s_per_step + config.host_cpu_s_per_byte * moved
+        floor = max(floor, busy_s + float(optimizer) + host / quota)
+    return floor

@@ -114,14 +114,61 @@ def test_cpu_quota_forgives_the_bubbles_a_period_can_absorb() -> None:
     plain = make_profile(speeds=[1.0] * 4, num_blocks=4, block_s=0.01)
     stages = _pipeline(4, 1)
     busy = 4 * 3 * 0.01
+    no_host = CostModelConfig(host_cpu_s_per_step=0.0, host_cpu_s_per_byte=0.0)
     without = predict(plain, stages, "zb-h1", 4, 4)
     assert without.step_time_s > 1.15 * busy
-    long_period = predict(_with_quota(plain, [0.48] * 4, 10.0), stages, "zb-h1", 4, 4)
+    quota = _with_quota(plain, [0.48] * 4, 10.0)
+    long_period = predict(quota, stages, "zb-h1", 4, 4, config=no_host)
     assert busy * (1 - 1e-9) <= long_period.step_time_s < 1.05 * busy
-    short_period = predict(_with_quota(plain, [0.48] * 4, 0.001), stages, "zb-h1", 4, 4)
+    assert long_period.cpu_floor_s == pytest.approx(busy)  # the busiest device's own compute
+    short_period = predict(
+        _with_quota(plain, [0.48] * 4, 0.001), stages, "zb-h1", 4, 4, config=no_host
+    )
     assert long_period.step_time_s < short_period.step_time_s < without.step_time_s
     # No quota on any device: the costs carry none and nothing changes.
     assert stage_costs(plain, stages, microbatch_size=1).cpu_share is None
+
+
+def test_host_cpu_under_a_quota_sets_a_floor_on_the_step() -> None:
+    """A quota-limited device also spends CPU outside its blocks (Lightning's loop, every byte it
+    sends or receives); at its quota that CPU takes ``cpu / share`` of wall time, after its
+    compute and optimizer step. On the lab a 6-stage plan whose end device was held at 12% of a
+    core ran 1000 ms a step against 797 predicted without this floor."""
+    plain = make_profile(
+        speeds=[1.0, 1.0], num_blocks=2, block_s=0.01, activation_bytes=1000, parameter_bytes=100
+    )
+    stages = _pipeline(2, 1)
+    config = CostModelConfig(host_cpu_s_per_step=0.02, host_cpu_s_per_byte=1e-6)
+    m = 4
+    unlimited = predict(plain, stages, "1f1b", m, m, config=config)
+    assert unlimited.cpu_floor_s == 0.0  # no quota: the host CPU is not charged
+
+    quota = _with_quota(plain, [1.0, 0.1], 0.1)
+    limited = predict(quota, stages, "1f1b", m, m, config=config)
+    busy = m * 3 * 0.01
+    optimizer = 1e-10 * 100  # the config's constant: the profile measured no optimizer rate
+    moved = 2 * 1000 * m  # one boundary, each sample's activation forward and gradient back
+    host = 0.02 + 1e-6 * moved
+    assert limited.cpu_floor_s == pytest.approx(busy + optimizer + host / 0.1)
+    assert limited.step_time_s == pytest.approx(limited.cpu_floor_s)
+    assert limited.step_time_s > limited.pipeline_s + limited.optimizer_s
+
+    # Host CPU of zero: the floor is the device's own compute and optimizer, under the pipeline.
+    free = CostModelConfig(host_cpu_s_per_step=0.0, host_cpu_s_per_byte=0.0)
+    loose = predict(quota, stages, "1f1b", m, m, config=free)
+    assert loose.cpu_floor_s == pytest.approx(busy + optimizer)
+    assert loose.step_time_s == pytest.approx(loose.pipeline_s + loose.optimizer_s)
+
+    # A shared stage all-reduces its gradients: those bytes count too (ring: 4 (n-1)/n P).
+    shared = [StagePlan(block_range=(0, 2), ranks=(0, 1), batch_shares=(0.5, 0.5))]
+    dp = predict(quota, shared, "1f1b", 1, 2, config=config)
+    ring = 4 * (2 - 1) / 2 * 200
+    assert dp.cpu_floor_s == pytest.approx(
+        1 * 3 * 2 * 0.01 + 1e-10 * 200 + (0.02 + 1e-6 * ring) / 0.1
+    )
+    for name in ("host_cpu_s_per_step", "host_cpu_s_per_byte"):
+        with pytest.raises(ValueError, match=name):
+            CostModelConfig(**{name: -1.0})
 
 
 def test_a_shared_stage_takes_its_slowest_devices_quota() -> None:
