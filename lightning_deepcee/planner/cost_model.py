@@ -721,11 +721,8 @@ def _predict(
         params = arrays.parameter_bytes(stage.block_range)
         allreduce_s = max(allreduce_s, _allreduce(arrays, stage.ranks, params))
         index = np.asarray(stage.ranks)
-        rates = np.where(
-            arrays.optimizer_rate[index] > 0,
-            arrays.optimizer_rate[index],
-            config.optimizer_s_per_byte,
-        )
+        measured = arrays.optimizer_rate[index]
+        rates = np.where(measured > 0, measured, config.optimizer_s_per_byte)
         optimizer_s = max(optimizer_s, float(rates.max()) * params)
         if arrays.has_quota:
             busy_s = m * (
@@ -777,10 +774,10 @@ def _cpu_floor(
     ring = 4.0 * (n - 1) / n * arrays.parameter_bytes(stage.block_range)  # sent and received
     floor = 0.0
     for rank, share, optimizer in zip(stage.ranks, stage.batch_shares, optimizer_s, strict=True):
-        quota = float(arrays.cpu_share[rank])
-        if quota >= 1.0 or arrays.cpu_period[rank] <= 0.0:
+        device = arrays.profile.devices[rank]
+        if not device.has_cpu_quota:
             continue
         moved = boundary * samples * share + ring
         host = config.host_cpu_s_per_step + config.host_cpu_s_per_byte * moved
-        floor = max(floor, busy_s + float(optimizer) + host / quota)
+        floor = max(floor, busy_s + float(optimizer) + host / device.cpu_share)
     return floor

@@ -253,6 +253,7 @@ def _median_timings(rounds: Sequence[BlockTimings]) -> BlockTimings:
     # under the median fixed part (CI saw 0.1274 ms fixed against a 0.1235 ms block). Capped at
     # the median total, as one round caps it at its own.
     totals = [sum(parts) for parts in zip(forward, backward_input, backward_weight, strict=True)]
+    # fixed_s is empty when the micro-batch was too small for a second size: strict=False.
     fixed = tuple(min(f, t) for f, t in zip(per_block("fixed_s"), totals, strict=False))
     return dataclasses.replace(
         rounds[0],
