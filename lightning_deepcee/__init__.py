@@ -1,15 +1,24 @@
 """lightning_deepcee: pipeline training across cloud, edge and end devices for PyTorch Lightning.
 
-Importing the package registers ``strategy="deepcee"`` in Lightning's StrategyRegistry.
+Importing the package registers ``strategy="deepcee"`` in Lightning's StrategyRegistry (when
+Lightning loads). The public names below are imported on first use, so that the pure core
+(``lightning_deepcee.profiler``, ``.planner``, ``.schedule``, ``.adapter``) imports without
+Lightning or torch.distributed.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
 
-from lightning_deepcee.callbacks import DynamicEnvironmentAdapter, PipelineThroughputMonitor
-from lightning_deepcee.checkpoint import consolidate_checkpoint
-from lightning_deepcee.runtime.liveness import DeviceLostError
-from lightning_deepcee.runtime.stage import PipelineSpec
-from lightning_deepcee.strategy import DeepCEEStrategy
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_deepcee._registry import register_when_lightning_loads
+
+if TYPE_CHECKING:
+    from lightning_deepcee.callbacks import DynamicEnvironmentAdapter, PipelineThroughputMonitor
+    from lightning_deepcee.checkpoint import consolidate_checkpoint
+    from lightning_deepcee.runtime.liveness import DeviceLostError
+    from lightning_deepcee.runtime.stage import PipelineSpec
+    from lightning_deepcee.strategy import DeepCEEStrategy
 
 __all__ = [
     "DeepCEEStrategy",
@@ -21,4 +30,27 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-DeepCEEStrategy.register_strategies(StrategyRegistry)
+_WHERE = {
+    "DeepCEEStrategy": "lightning_deepcee.strategy",
+    "DeviceLostError": "lightning_deepcee.runtime.liveness",
+    "DynamicEnvironmentAdapter": "lightning_deepcee.callbacks",
+    "PipelineSpec": "lightning_deepcee.runtime.stage",
+    "PipelineThroughputMonitor": "lightning_deepcee.callbacks",
+    "consolidate_checkpoint": "lightning_deepcee.checkpoint",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name on first use (PEP 562)."""
+    if name not in _WHERE:
+        raise AttributeError(f"module 'lightning_deepcee' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
+register_when_lightning_loads()

@@ -32,17 +32,22 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from typing_extensions import override
 
+from lightning_deepcee._compat import (
+    _PATH,
+    _flatten_dense_tensors,
+    _unflatten_dense_tensors,
+    default_process_group,
+    fit_dataloader,
+    optimizers_to_device,
+)
 from lightning_deepcee.checkpoint import (
     commit_partial,
     load_sharded,
@@ -416,7 +421,7 @@ class DeepCEEStrategy(DDPStrategy):
             self.placement[self.stage_index]
         )
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
         self._build_executors()
         if self.verbose:
             rank_zero_info(self.describe())
@@ -424,7 +429,7 @@ class DeepCEEStrategy(DDPStrategy):
     def _profile_cluster(self, trainer: pl.Trainer) -> None:
         """Measure devices and links on the first training micro-batch (all ranks)."""
         assert self.spec is not None
-        loader = trainer.fit_loop._data_source.dataloader()
+        loader = fit_dataloader(trainer)
         batch = next(iter(loader))
         batch = self.batch_to_device(batch)
         self._global_batch_size = batch_size_of(batch)
@@ -705,7 +710,7 @@ class DeepCEEStrategy(DDPStrategy):
             schedulers = self.lr_scheduler_configs
             for config, state in zip(schedulers, local["lr_schedulers"], strict=True):
                 config.scheduler.load_state_dict(state)
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
         self._pending_grads = None
         self._build_executors()
         rank_zero_info(
@@ -1111,7 +1116,7 @@ def _unbound_gloo_default_group() -> Iterator[None]:
     the same code in 2.13). Gloo creates subgroups without splitting, so the binding is lifted
     while they are made. NCCL keeps its split.
     """
-    default = dist.distributed_c10d._get_default_group()
+    default = default_process_group()
     bound = default.bound_device_id
     if bound is None or dist.get_backend(default) != "gloo":
         yield

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.profiler import record_function
 
+from lightning_deepcee._compat import stage_backward_input, stage_backward_weight
 from lightning_deepcee.runtime.routing import Piece, Router
 from lightning_deepcee.runtime.stage import Stage, batch_size_of, split_batch
 from lightning_deepcee.runtime.transport import P2PTransport, PeerLostError

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch.distributed as dist
+from lightning_deepcee._compat import default_store
 
 __all__ = [
     "DeviceLostError",
@@ -47,18 +47,6 @@ class DeviceLostError(RuntimeError):
 
 def _prefix() -> str:
     return f"deepcee/liveness/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
-def default_store() -> Any | None:
-    """The default process group's store, or None when there is none (single process)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
-    except (RuntimeError, ValueError, ImportError):
-        return None
 
 
 class Heartbeat:

@@ -65,9 +65,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-from torch.utils._pytree import tree_map
 
+from lightning_deepcee._compat import stage_backward_input, stage_backward_weight, tree_map
 from lightning_deepcee.profiler.data import (
     ClusterProfile,
     DeviceProfile,

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_deepcee._compat import default_store
 from lightning_deepcee.runtime import P2PTransport
 
 pytestmark = pytest.mark.multiprocess
@@ -46,7 +47,7 @@ def _tensor(step: int, index: int, shape: tuple[int, ...]) -> torch.Tensor:
 
 def _worker(rank: int, init: str, out: str, prefetch: bool) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     transport = P2PTransport(torch.device("cpu"), prefetch=prefetch)
     ahead, exact = [], True
     wire: list[list[float | None]] = []

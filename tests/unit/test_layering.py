@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import ast
+import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,4 +36,67 @@ def test_core_imports_no_torch_or_lightning(package: str) -> None:
         for name in _imports(f)
         if name.split(".")[0] in FORBIDDEN
     ]
+    assert not bad, bad
+
+
+PURE_MODULES = [
+    "lightning_deepcee.profiler",
+    "lightning_deepcee.planner",
+    "lightning_deepcee.schedule",
+    "lightning_deepcee.adapter",
+    "lightning_deepcee.adapter.monitor",
+]
+HEAVY = ("lightning", "pytorch_lightning", "torch", "torch.distributed")
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_pure_core_imports_alone(module: str) -> None:
+    """Importing a core package (which runs the package ``__init__`` too) loads no framework."""
+    code = (
+        "import importlib, json, sys\n"
+        f"importlib.import_module({module!r})\n"
+        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_importing_the_package_registers_the_strategy_name() -> None:
+    """``import lightning_deepcee`` registers "deepcee" whether Lightning loads before or after."""
+    for order in (
+        "import lightning_deepcee, lightning.pytorch",
+        "import lightning.pytorch, lightning_deepcee",
+    ):
+        code = (
+            f"{order}\n"
+            "from lightning.pytorch.strategies import StrategyRegistry\n"
+            "strategy = StrategyRegistry.get('deepcee')\n"
+            "print(type(strategy).__name__)\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+        )
+        assert out.stdout.strip().splitlines()[-1] == "DeepCEEStrategy", order
+
+
+PRIVATE = re.compile(
+    r"\b(?:torch|lightning|lightning_utilities)(?:\.\w+)*\._(?!_)\w+|"
+    r"\bfrom\s+(?:torch|lightning)\S*\s+import\s+[^\n]*\b_[a-zA-Z]\w*|"
+    r"\.(?:fit_loop|distributed_c10d)\._(?!_)\w+"
+)
+
+
+def test_private_framework_names_only_in_compat() -> None:
+    """Private torch/Lightning names live behind ``_compat.py`` (one file to check on upgrade)."""
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path.name == "_compat.py":
+            continue
+        code = "\n".join(
+            line.split("#")[0] for line in path.read_text().splitlines()
+        )  # comments may name them
+        for match in PRIVATE.finditer(code):
+            bad.append(f"{path.relative_to(PKG)}: {match.group(0)}")
     assert not bad, bad

@@ -1,0 +1,75 @@
+"""Every private torch and Lightning name the package uses, in one place.
+
+Private names can change in any release; keeping them here makes an upgrade one file to check.
+Each import says what it is for and why the public API does not do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+# One flat all-reduce per dtype for a shared stage's gradients (what DDP's buckets do); there is
+# no public flatten/unflatten pair.
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+# B/W split of a stage's backward: torch.distributed.pipelining's own zero-bubble helpers. The
+# public pipelining API runs them only inside its schedules, which cannot carry per-message shapes.
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+# Map over nested containers of tensors (block inputs and outputs of any structure).
+from torch.utils._pytree import tree_map
+
+# Lightning's path type for checkpoint hooks (``lightning.fabric.utilities.types._PATH``), spelled
+# out so that the runtime, which uses this module too, does not load Lightning.
+_PATH = str | Path
+
+__all__ = [
+    "_PATH",
+    "_flatten_dense_tensors",
+    "_unflatten_dense_tensors",
+    "default_process_group",
+    "default_store",
+    "fit_dataloader",
+    "optimizers_to_device",
+    "stage_backward_input",
+    "stage_backward_weight",
+    "tree_map",
+]
+
+
+def default_process_group() -> Any:
+    """The default process group object (its ``bound_device_id`` is not public API)."""
+    return dist.distributed_c10d._get_default_group()
+
+
+def default_store() -> Any | None:
+    """The default process group's rendezvous store (heartbeats live there), or None.
+
+    None when there is no process group (one process) or the group has no store.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except (RuntimeError, ValueError, ImportError):
+        return None
+
+
+def optimizers_to_device(optimizers: Any, device: Any) -> None:
+    """Move optimizer state to ``device`` after (re)building the optimizers, as Lightning's own
+    strategies do (``lightning.fabric.utilities.optimizer._optimizers_to_device``; no public
+    equivalent). Imported on call so the runtime can use this module without Lightning."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
+
+
+def fit_dataloader(trainer: Any) -> Any:
+    """The training dataloader before the fit loop has set it up (profiling needs one batch at
+    ``setup``, and Lightning builds the loaders only after the strategy's setup)."""
+    return trainer.fit_loop._data_source.dataloader()
