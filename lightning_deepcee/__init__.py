@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from lightning_deepcee._registry import register_when_lightning_loads
 
 if TYPE_CHECKING:
-    from lightning_deepcee.callbacks import DynamicEnvironmentAdapter, PipelineThroughputMonitor
+    from lightning_deepcee.adapter.callback import DynamicEnvironmentAdapter
+    from lightning_deepcee.callbacks import PipelineThroughputMonitor
     from lightning_deepcee.checkpoint import consolidate_checkpoint
     from lightning_deepcee.runtime.liveness import DeviceLostError
     from lightning_deepcee.runtime.stage import PipelineSpec
@@ -33,7 +34,7 @@ __version__ = "0.1.0"
 _WHERE = {
     "DeepCEEStrategy": "lightning_deepcee.strategy",
     "DeviceLostError": "lightning_deepcee.runtime.liveness",
-    "DynamicEnvironmentAdapter": "lightning_deepcee.callbacks",
+    "DynamicEnvironmentAdapter": "lightning_deepcee.adapter.callback",
     "PipelineSpec": "lightning_deepcee.runtime.stage",
     "PipelineThroughputMonitor": "lightning_deepcee.callbacks",
     "consolidate_checkpoint": "lightning_deepcee.checkpoint",

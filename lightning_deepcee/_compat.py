@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 # One flat all-reduce per dtype for a shared stage's gradients (what DDP's buckets do); there is
 # no public flatten/unflatten pair.
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _flatten_dense_tensors as flatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors
 
 # B/W split of a stage's backward: torch.distributed.pipelining's own zero-bubble helpers. The
 # public pipelining API runs them only inside its schedules, which cannot carry per-message shapes.
@@ -24,19 +25,19 @@ from torch.utils._pytree import tree_map
 
 # Lightning's path type for checkpoint hooks (``lightning.fabric.utilities.types._PATH``), spelled
 # out so that the runtime, which uses this module too, does not load Lightning.
-_PATH = str | Path
+PATH = str | Path
 
 __all__ = [
-    "_PATH",
-    "_flatten_dense_tensors",
-    "_unflatten_dense_tensors",
+    "PATH",
     "default_process_group",
     "default_store",
     "fit_dataloader",
+    "flatten_dense_tensors",
     "optimizers_to_device",
     "stage_backward_input",
     "stage_backward_weight",
     "tree_map",
+    "unflatten_dense_tensors",
 ]
 
 

@@ -59,7 +59,16 @@ def _plan(args: argparse.Namespace) -> int:
         if args.timeline:
             from lightning_deepcee.schedule.timeline import plot_timeline
 
-            plot_timeline(result, args.timeline, title=f"{plan.schedule}, m={m}")
+            labels = {
+                s: f"stage {s}: " + ", ".join(profile.devices[r].host for r in st.ranks)
+                for s, st in enumerate(plan.stages)
+            }
+            plot_timeline(
+                result,
+                args.timeline,
+                title=f"{plan.schedule}, {m} micro-batches",
+                row_labels=labels,
+            )
             print(f"wrote {args.timeline}")
     return 0
 
@@ -75,14 +84,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     cons.set_defaults(func=_consolidate)
     plan = sub.add_parser("plan", help="search a plan offline from a cluster profile")
     plan.add_argument("--profile", required=True, help="ClusterProfile YAML or JSON")
-    plan.add_argument("--global-batch-size", type=int, required=True)
     plan.add_argument(
-        "--schedules", default="1f1b,zb-h1,compact", help="comma-separated candidates"
+        "--global-batch-size",
+        type=int,
+        required=True,
+        help="samples per optimizer step over the whole cluster (what the plan is sized for)",
     )
-    plan.add_argument("--beam-width", type=int, default=8)
+    plan.add_argument(
+        "--schedules",
+        default="1f1b,zb-h1,compact",
+        help="schedules the search may choose, comma-separated (default: %(default)s)",
+    )
+    plan.add_argument(
+        "--beam-width",
+        type=int,
+        default=8,
+        help="stage orders kept per depth while searching; larger is slower and rarely better "
+        "(default: %(default)s)",
+    )
     plan.add_argument("--out", default="plan.json", help="where to write the plan (JSON)")
-    plan.add_argument("--timeline", help="also write the simulated timeline as a PNG")
-    plan.add_argument("--trace", help="also write the simulated chrome trace (JSON)")
+    plan.add_argument(
+        "--timeline",
+        help="also write the simulated step as a PNG: a row per stage (its devices), a box per "
+        "F/B/W of each micro-batch, the bubble fraction in the title",
+    )
+    plan.add_argument(
+        "--trace", help="also write the simulated step as a chrome trace (open in Perfetto)"
+    )
     plan.set_defaults(func=_plan)
     args = parser.parse_args(argv)
     try:

@@ -199,6 +199,11 @@ class Plan:
     stage_actions: tuple[str, ...] | None = None
     """``"compact"`` plans only: per stage, its compute actions in order, as text
     (``"0F0 0F1 0B0 0W0 ..."``, see :func:`~lightning_deepcee.schedule.format_actions`)."""
+    num_replicas: int = 1
+    """Data-parallel pipeline replicas, each reading its own shard of the data (a manual
+    layout's ``num_stages`` below the process count). Every stage then lists one rank per
+    replica, replica ``d`` running ``ranks[d]`` with equal shares. The planner's plans have one:
+    devices sharing a stage split every micro-batch's rows instead."""
 
     def __post_init__(self) -> None:
         stages = self.stages
@@ -240,6 +245,7 @@ class Plan:
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         object.__setattr__(self, "stage_actions", self._checked_actions(len(stages)))
+        self._check_replicas(stages)
         if self.global_batch_size < self.num_microbatches:
             raise ValueError(
                 f"global_batch_size: {self.global_batch_size} samples cannot fill "
@@ -270,6 +276,16 @@ class Plan:
                 raise ValueError(f"{name}: expected a string, got {getattr(self, name)!r}")
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "predicted_peak_memory_bytes", memory_by_rank)
+
+    def _check_replicas(self, stages: Sequence[StagePlan]) -> None:
+        d = self.num_replicas
+        if not _is_int(d) or d < 1:
+            raise ValueError(f"num_replicas: expected a positive integer, got {d!r}")
+        if d > 1 and any(len(stage.ranks) != d for stage in stages):
+            raise ValueError(
+                f"num_replicas: {d} replicas need one rank per replica in every stage, got "
+                f"{[len(stage.ranks) for stage in stages]} ranks per stage"
+            )
 
     def _checked_actions(self, num_stages: int) -> tuple[str, ...] | None:
         actions = self.stage_actions
@@ -351,6 +367,10 @@ class Plan:
         """Mean samples per micro-batch (``global_batch_size / num_microbatches``)."""
         return self.global_batch_size / self.num_microbatches
 
+    def replica_of(self, rank: int) -> int:
+        """The data-parallel replica ``rank`` runs (0 unless ``num_replicas > 1``)."""
+        return self.stages[self.stage_of(rank)].ranks.index(rank) if self.num_replicas > 1 else 0
+
     def stage_of(self, rank: int) -> int:
         """Index of the stage that ``rank`` belongs to."""
         for index, stage in enumerate(self.stages):
@@ -419,6 +439,7 @@ class Plan:
             "cluster_fingerprint": self.cluster_fingerprint,
             "notes": self.notes,
             **({"stage_actions": list(self.stage_actions)} if self.stage_actions else {}),
+            **({"num_replicas": self.num_replicas} if self.num_replicas != 1 else {}),
         }
 
     @classmethod
@@ -473,6 +494,8 @@ class Plan:
             f"predicted_step={self.predicted_step_time_s * 1e3:.2f} ms "
             f"bubble={self.predicted_bubble_ratio:.1%}"
         )
+        if self.num_replicas > 1:
+            summary += f" replicas={self.num_replicas}"
         out = [summary, *lines]
         if self.notes:
             out.append(f"notes: {self.notes}")

@@ -25,13 +25,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch.distributed as dist
+
 from lightning_deepcee._compat import default_store
+from lightning_deepcee.runtime.transport import PeerLostError
 
 __all__ = [
     "DeviceLostError",
     "Heartbeat",
     "default_store",
     "find_lost_ranks",
+    "is_communication_failure",
     "lost_message",
     "wait_for_ranks",
 ]
@@ -179,3 +183,18 @@ def wait_for_ranks(
                 ),
                 lost or None,
             )
+
+
+def is_communication_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a failed transfer or collective, not a model bug."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (PeerLostError, dist.DistError)):
+            return True
+        text = str(current).lower()
+        if any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout")):
+            return True
+        current = current.__cause__ or current.__context__
+    return False

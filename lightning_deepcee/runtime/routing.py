@@ -3,7 +3,7 @@
 Every micro-batch is a block of rows. Inside stage ``s`` the devices split each micro-batch into
 contiguous row ranges in proportion to their batch shares (the planner makes shares proportional to
 speed, so a fast device takes more rows), rounded to whole rows so that over the step each device
-holds its share to within one row (:func:`~lightning_deepcee.planner.rows.split_step_rows`).
+holds its share to within one row (:func:`~lightning_deepcee.runtime.rows.split_step_rows`).
 Between two stages a sender passes each receiver exactly the rows where their ranges overlap; the
 receiver concatenates the pieces in row order. Gradients travel back along the same pieces. Both
 ends compute the overlaps from the same sizes and shares, so no message carries routing metadata
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_deepcee.planner.rows import split_rows, split_step_rows
+from lightning_deepcee.runtime.rows import split_rows, split_step_rows
 
 __all__ = ["Piece", "Router", "StageLayout", "split_rows"]
 

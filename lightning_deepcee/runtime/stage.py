@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_deepcee.planner.rows import split_sizes
+from lightning_deepcee.runtime.rows import split_sizes
 
 __all__ = [
     "PipelineSpec",

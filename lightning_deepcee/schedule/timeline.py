@@ -1,13 +1,16 @@
 """PNG timeline of a simulated step: one row per rank, a box per compute action.
 
-Colours: F blue, B green, W orange, BW teal; transfers are thin grey bars along the bottom of the
-sending rank's row. matplotlib is optional and imported only when a plot is drawn
-(``pip install matplotlib``).
+Rows are labelled by ``row_labels`` (e.g. the stage and its devices) or by rank; every box long
+enough to hold text names its action and micro-batch (``F3``, ``W0``); the title always ends
+with the step time and bubble fraction. Colours: F blue, B green, W orange, BW teal; transfers
+are thin grey bars along the bottom of the sending rank's row. matplotlib is optional and
+imported only when a plot is drawn (``pip install matplotlib``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from lightning_deepcee.schedule.actions import ActionKind
 from lightning_deepcee.schedule.simulate import SimulationResult
@@ -24,9 +27,16 @@ _TRANSFER_COLOUR = "grey"
 
 
 def plot_timeline(
-    result: SimulationResult, path: str | os.PathLike[str], *, title: str | None = None
+    result: SimulationResult,
+    path: str | os.PathLike[str],
+    *,
+    title: str | None = None,
+    row_labels: Mapping[int, str] | None = None,
 ) -> None:
-    """Draw ``result`` as a Gantt chart and save it as a PNG at ``path``."""
+    """Draw ``result`` as a Gantt chart and save it as a PNG at ``path``.
+
+    ``row_labels`` maps a rank of the simulation to its row label (default ``rank N``).
+    """
     try:
         import matplotlib
     except ImportError as err:
@@ -69,17 +79,19 @@ def plot_timeline(
                 ax.text(
                     ev.start_s + ev.duration_s / 2,
                     y,
-                    str(ev.action.microbatch),
+                    f"{ev.action.kind.value}{ev.action.microbatch}",
                     ha="center",
                     va="center",
                     fontsize=7,
                     color="white",
                 )
-        ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+        labels = row_labels or {}
+        ax.set_yticks(range(len(ranks)), [labels.get(r, f"rank {r}") for r in ranks])
         ax.invert_yaxis()
         ax.set_xlim(0, step)
         ax.set_xlabel("seconds")
-        ax.set_title(title or f"step {result.step_time_s:.4g} s, bubble {result.bubble_ratio:.1%}")
+        figures = f"step {result.step_time_s:.4g} s, bubble {result.bubble_ratio:.1%}"
+        ax.set_title(f"{title}: {figures}" if title else figures)
         handles = [Patch(color=c, label=k.value) for k, c in _COLOURS.items()]
         handles.append(Patch(color=_TRANSFER_COLOUR, label="transfer"))
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,13 @@ data: {{block_size: 16, batch_size: 6, max_chars: 20000}}
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = proc.stdout + proc.stderr
     assert "DeepCEEStrategy: 2 stages x 1 replica(s), schedule 1f1b, 3 micro-batches" in out
+    # The console: Lightning's model summary counts the whole model (not rank 0's stage), and
+    # the strategy's own logs raise no sync_dist advice.
+    whole = sum(p.numel() for p in GPT(n_layer=2, n_embd=32, n_head=2, block_size=16).parameters())
+    total = re.search(r"^\s*([\d.]+ ?[KM]?)\s+Total params", out, re.MULTILINE)
+    assert total is not None, out[-3000:]
+    assert total.group(1).replace(" ", "") == _human(whole), (total.group(1), whole)
+    assert "sync_dist=True" not in out
     rows = list(csv.DictReader((tmp_path / "log" / "version_0" / "metrics.csv").open()))
     losses = [float(r["train_loss_step"]) for r in rows if r.get("train_loss_step")]
     assert len(losses) >= 3 and all(v == v for v in losses)
@@ -79,3 +87,10 @@ data: {{block_size: 16, batch_size: 6, max_chars: 20000}}
 def test_consolidate_cli_reports_bad_path(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert deepcee_main(["consolidate", str(tmp_path / "missing"), str(tmp_path / "x.pt")]) == 2
     assert "meta.pt" in capsys.readouterr().err
+
+
+def _human(count: int) -> str:
+    """Lightning's summary format for a parameter count (``27.9 K``, without the space)."""
+    from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
+
+    return get_human_readable_count(count).replace(" ", "")

@@ -280,4 +280,7 @@ def test_adapter_replan_moves_blocks_and_survives_resume(tmp_path: Path) -> None
     assert [d["kind"] for d in noprofile["decisions"] if d["kind"].startswith("replan-")] == [
         "replan-skipped"
     ]
-    assert noprofile["plan"] is None
+    # Every layout is a Plan: the manual one, unchanged, with no predictions.
+    assert noprofile["plan"]["notes"] == "manual layout"
+    assert noprofile["plan"]["predicted_step_time_s"] == 0.0
+    assert noprofile["plans"][0]["start"] == noprofile["plan"]

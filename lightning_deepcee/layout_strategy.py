@@ -1,0 +1,428 @@
+"""The layout half of DeepCEEStrategy: one Plan, built and rebuilt on this rank.
+
+:class:`PipelineLayoutStrategy` holds the running :class:`~lightning_deepcee.planner.Plan`
+(every layout is one: planned, saved or manual), answers where this rank sits in it (stage,
+replica, placement), builds this rank's part with :meth:`~PipelineLayoutStrategy._build` (the
+one path used by setup, re-plan and resume) and switches plans between two steps
+(:meth:`~PipelineLayoutStrategy.apply_plan`). :class:`~lightning_deepcee.strategy.DeepCEEStrategy`
+adds setup, the steps and checkpoints on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning_utilities.core.apply_func import apply_to_collection
+from typing_extensions import override
+
+from lightning_deepcee._compat import optimizers_to_device
+from lightning_deepcee.checkpoint import repartition
+from lightning_deepcee.planner import Plan
+from lightning_deepcee.precision import wrap_precision
+from lightning_deepcee.profiler import ClusterProfile
+from lightning_deepcee.runtime import PipelineExecutor, PipelineSpec, Stage, build_stage
+from lightning_deepcee.runtime.layout import (
+    ManualLayout,
+    build_executors,
+    describe,
+    layout_line,
+    make_stage_groups,
+)
+from lightning_deepcee.runtime.measure import model_fingerprint
+from lightning_deepcee.runtime.transport import TransferRecord
+
+__all__ = ["PipelineLayoutStrategy"]
+
+
+class PipelineLayoutStrategy(DDPStrategy):
+    """A DDP-launched strategy whose ranks run the stages of one :class:`Plan`.
+
+    Not used on its own: :class:`~lightning_deepcee.strategy.DeepCEEStrategy` sets the
+    attributes declared here in its ``__init__``.
+    """
+
+    _manual: ManualLayout
+    plan: Plan | None
+    num_microbatches: int
+    spec: PipelineSpec | None
+    stage: Stage | None
+    ranges: list[tuple[int, int]]
+    cluster_profile: ClusterProfile | None
+    receive_ahead: bool
+    verbose: bool
+    last_step_samples: int
+    _global_batch_size: int
+    _executor: PipelineExecutor | None
+    _eval_executor: PipelineExecutor | None
+    _train_schedule: dict[int, list[Any]]
+    _stage_group: Any
+    _pending_grads: list[torch.Tensor | None] | None
+    _block_names: list[str]
+    _split_module: Any
+
+    # ----------------------------------------------------------------------------- layout
+    @property
+    def schedule_kind(self) -> str:
+        """The running schedule kind (the plan's, or the manual ``schedule``)."""
+        return self.plan.schedule if self.plan is not None else self._manual.schedule
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline depth (stages per replica)."""
+        if self.plan is not None:
+            return self.plan.num_stages
+        return self._manual.stages(self.world_size)
+
+    @property
+    def num_replicas(self) -> int:
+        """Data-parallel pipeline replicas, each reading its own shard of the data.
+
+        A planned layout has one: devices sharing a stage split every micro-batch by rows instead.
+        """
+        if self.plan is not None:
+            return self.plan.num_replicas
+        return self.world_size // self.num_stages
+
+    @property
+    def placement(self) -> list[list[int]]:
+        """Global ranks of each stage (one per replica, or a plan's devices of the stage)."""
+        if self.plan is not None:
+            return [list(st.ranks) for st in self.plan.stages]
+        return self._manual.placement_for(self.world_size)
+
+    def _where(self) -> tuple[int, int]:
+        for stage, ranks in enumerate(self.placement):
+            if self.global_rank in ranks:
+                replica = ranks.index(self.global_rank) if self.num_replicas > 1 else 0
+                return stage, replica
+        raise ValueError(f"Rank {self.global_rank} is in no stage of placement {self.placement}.")
+
+    @property
+    def stage_index(self) -> int:
+        return self._where()[0]
+
+    @property
+    def replica_index(self) -> int:
+        return self._where()[1]
+
+    @property
+    def _writes_shard(self) -> bool:
+        """The first device of each stage holds what a checkpoint shard of the stage saves."""
+        return self.placement[self.stage_index][0] == self.global_rank
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Shard by pipeline replica only: every stage of one pipeline sees the same batch.
+        return {"num_replicas": self.num_replicas, "rank": self.replica_index}
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_plugin = (
+            None if precision_plugin is None else wrap_precision(precision_plugin)
+        )
+
+    def _build(
+        self, plan: Plan, trainer: pl.Trainer, shards: list[dict[str, Any]] | None = None
+    ) -> None:
+        """Build (or rebuild) this rank's part of ``plan``: the one path for every layout.
+
+        Used by setup, re-plan (:meth:`apply_plan`, with the gathered ``shards`` of the training
+        state) and hence resume, whose checkpoint is re-partitioned onto what this builds. It
+        splits the module for the plan's ranges, re-creates the stage process groups, moves
+        blocks this rank does not run off the accelerator, (re)creates the optimizers through
+        Lightning while fitting, loads the re-partitioned state when ``shards`` are given, and
+        lowers, validates and wraps the schedule in executors.
+        """
+        module, spec = self.lightning_module, self.spec
+        assert module is not None and spec is not None and self.model is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self.plan = plan
+        self.num_microbatches = plan.num_microbatches
+        self.ranges = [st.block_range for st in plan.stages]
+        old_group = self._stage_group
+        self._stage_group = make_stage_groups(self.placement, self.stage_index)
+        if old_group is not None:
+            # Every rank has passed the collective new_group calls: nothing of it is in flight.
+            dist.destroy_process_group(old_group)
+        self.stage = build_stage(module, spec, self.ranges, self.stage_index)
+        self._split_module = module
+        self._park_other_blocks()
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # Every device of a stage holds the same (all-reduced) gradient: the global-norm clip
+        # counts each stage once.
+        self.precision_plugin.norm_share = 1.0 / len(  # type: ignore[attr-defined]
+            self.placement[self.stage_index]
+        )
+        if shards is not None:
+            local = self._repartitioned(shards)
+            module.load_state_dict(local["state_dict"], strict=True)
+            for optimizer, state in zip(self.optimizers, local["optimizer_states"], strict=True):
+                optimizer.load_state_dict(state)
+            if fitting:
+                schedulers = self.lr_scheduler_configs
+                for config, state in zip(schedulers, local["lr_schedulers"], strict=True):
+                    config.scheduler.load_state_dict(state)
+        if fitting:
+            optimizers_to_device(self.optimizers, self.root_device)
+        self._pending_grads = None
+        self._build_executors()
+        if self.verbose:
+            rank_zero_info(self.describe())
+
+    def _repartitioned(self, shards: list[dict[str, Any]]) -> dict[str, Any]:
+        """This rank's training state rebuilt from every stage's shard (re-plan and resume)."""
+        module = self.lightning_module
+        assert module is not None
+        fresh = [opt.state_dict() for opt in self.optimizers]
+        return repartition(
+            shards,
+            list(module.state_dict().keys()),
+            list(zip(fresh, self._optimizer_param_names(), strict=True)),
+        )
+
+    def _build_executors(self) -> None:
+        assert self.stage is not None and self.spec is not None and self.plan is not None
+        built = build_executors(
+            self.plan,
+            num_microbatches=self.num_microbatches,
+            stage=self.stage,
+            spec=self.spec,
+            rank=self.global_rank,
+            device=self.root_device,
+            receive_ahead=self.receive_ahead,
+        )
+        self._executor, self._eval_executor = built.train, built.evaluation
+        self._train_schedule = built.train_schedule
+
+    def set_num_microbatches(self, num_microbatches: int) -> None:
+        """Use ``num_microbatches`` from the next step on (all ranks must call it together).
+
+        Any split gives the same gradient (rows are weighted by their share of the step), so the
+        adapter may change it between any two steps without a restart.
+        """
+        if num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+        if num_microbatches != self.num_microbatches:
+            self.num_microbatches = num_microbatches
+            self._build_executors()
+
+    # ------------------------------------------------------------------------ re-planning
+    def current_plan(self) -> Plan:
+        """The running layout as a :class:`Plan` (what a re-plan is compared with).
+
+        A planned run returns its plan. A manual layout with one pipeline replica returns its
+        plan with the micro-batch count in force, sized to the last step's batch, with no
+        predictions; a manual layout with several replicas cannot be re-planned (its replicas
+        read different data) and raises ``ValueError``.
+        """
+        self._check_single_replica("current_plan")
+        if self.plan is None:
+            raise RuntimeError("DeepCEEStrategy.current_plan runs on a set-up strategy.")
+        if self.plan.notes != "manual layout":
+            return self.plan
+        batch = max(self.last_step_samples, self._global_batch_size, self.num_microbatches)
+        return dataclasses.replace(
+            self.plan, num_microbatches=self.num_microbatches, global_batch_size=batch
+        )
+
+    def _check_single_replica(self, what: str) -> None:
+        if self.num_replicas != 1:
+            raise ValueError(
+                f"DeepCEEStrategy.{what}: this run has {self.num_replicas} data-parallel pipeline "
+                "replicas (manual num_stages/placement), each reading its own shard of the data, "
+                "and the sampler cannot change mid-epoch; a plan feeds every rank the whole batch "
+                "and splits rows inside a stage. Start from a plan (DeepCEEStrategy() or "
+                "plan='plan.json') or a manual layout with one replica to re-plan during training."
+            )
+
+    def check_plan(self, plan: Plan) -> None:
+        """Raise unless ``plan`` can replace the running layout (the checks of :meth:`apply_plan`).
+
+        The same checks as a saved plan at setup (``Plan.check_matches``: every block, every rank
+        of the world once, the model's fingerprint and, when profiled, the cluster's), plus: the
+        strategy is set up, and the run has one pipeline replica. Local and deterministic: every
+        rank raises alike, before any collective.
+        """
+        if not isinstance(plan, Plan):
+            raise TypeError(
+                f"DeepCEEStrategy.apply_plan expects a lightning_deepcee.Plan, got "
+                f"{type(plan).__name__} (Plan.from_dict / Plan.from_json build one)."
+            )
+        if self.spec is None or self.stage is None or self.lightning_module is None:
+            raise RuntimeError(
+                "DeepCEEStrategy.apply_plan runs on a set-up strategy, between training steps "
+                "(from a callback's on_train_batch_end or on_train_start)."
+            )
+        self._check_single_replica("apply_plan")
+        cluster = self.cluster_profile.cluster_fingerprint if self.cluster_profile else None
+        try:
+            plan.check_matches(
+                len(self.spec.blocks),
+                self.world_size,
+                model_fingerprint(list(self.spec.blocks)),
+                cluster,
+            )
+            if plan.num_replicas != 1:
+                raise ValueError("it has several data-parallel replicas")
+        except ValueError as exc:
+            raise ValueError(
+                f"DeepCEEStrategy.apply_plan: the new plan cannot replace the running layout. {exc}"
+            ) from None
+
+    def apply_plan(self, plan: Plan, trainer: pl.Trainer) -> None:
+        """Switch to ``plan`` between two steps: move blocks, with their optimizer state, live.
+
+        Every rank calls it together, at a step boundary (a callback's ``on_train_batch_end``,
+        after the optimizer and LR-scheduler step of that batch, or ``on_train_start``). What it
+        does:
+
+        1. :meth:`check_plan` (local, so a bad plan raises on every rank before anything moves);
+        2. the first device of every stage copies its stage's part of the training state to host
+           memory: weights, optimizer state, LR-scheduler state and the global name of each
+           optimizer parameter, exactly a checkpoint shard; ``all_gather_object`` gives every
+           rank every shard (the ranks must pass equal plans, or all raise here);
+        3. the blocks ``build_stage`` replaced by ``nn.Identity`` are put back and :meth:`_build`
+           builds the new layout, as setup does, loading this rank's part rebuilt from the
+           shards with the checkpoint code (:func:`~lightning_deepcee.checkpoint.repartition`):
+           weights, optimizer state (by parameter name, so Adam moments follow their block) and
+           scheduler state. ``configure_optimizers`` runs again through Lightning, so the
+           optimizers and schedulers cover this rank's new parameters from the next step on.
+
+        Gradients stay exact: nothing changes inside a step, the moved state is bit-for-bit the
+        state the old owner would have used, and the next step computes the same whole-batch
+        gradient under any layout. Rank 0 logs the old and new layout.
+
+        Cost: the whole training state (weights plus optimizer state) passes through every rank
+        once, pickled on the host, and is held at once in each rank's host memory; the gather
+        blocks every rank, so it must finish within ``timeout_s``. Sending only the blocks that
+        change owner, point to point, would move less; it is not done here.
+        """
+        self.check_plan(plan)
+        began = time.perf_counter()
+        assert self.plan is not None
+        before = layout_line(self.plan, self.num_microbatches)
+        shard = self._live_shard() if self._writes_shard else None
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (plan.to_dict(), self.stage_index, shard))
+        differing = [r for r, part in enumerate(gathered) if part[0] != gathered[0][0]]
+        if differing:
+            raise ValueError(
+                f"DeepCEEStrategy.apply_plan: ranks {differing} passed another plan than rank 0; "
+                "every rank must pass the same plan (broadcast it from rank 0). Nothing changed."
+            )
+        shards: list[dict[str, Any]] = [{} for _ in range(self.num_stages)]
+        for _, stage_index, part in gathered:
+            if part is not None:
+                shards[stage_index] = part
+        num_bytes = sum(_tensor_bytes(s) for s in shards)
+        self._restore_blocks()
+        self._build(plan, trainer, shards)
+        rank_zero_info(
+            f"DeepCEE: re-planned at step {trainer.global_step}, moved the training state "
+            f"({num_bytes / 1e6:.2f} MB, gathered on every rank) in "
+            f"{time.perf_counter() - began:.2f} s:\n  before: {before}\n  after:  "
+            f"{layout_line(plan, self.num_microbatches)}"
+        )
+
+    def _live_shard(self) -> dict[str, Any]:
+        """This stage's training state on the host, in the checkpoint's shard format."""
+        module = self.lightning_module
+        assert module is not None
+        shard = {
+            "state_dict": module.state_dict(),
+            "optimizer_states": [self.optimizer_state(opt) for opt in self.optimizers],
+            "lr_schedulers": [c.scheduler.state_dict() for c in self.lr_scheduler_configs],
+            "optimizer_param_names": self._optimizer_param_names(),
+        }
+        # Pickling a CUDA tensor would unpickle it on the receiver's GPU of the same index.
+        return apply_to_collection(shard, torch.Tensor, lambda t: t.detach().cpu())
+
+    def _restore_blocks(self) -> None:
+        """Put every original block back into the module (undo ``build_stage``)."""
+        module, spec = self.lightning_module, self.spec
+        assert module is not None and spec is not None
+        for name, block in zip(self._block_names, spec.blocks, strict=True):
+            parent_name, _, attr = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, attr, block)
+
+    @contextmanager
+    def whole_model(self) -> Iterator[None]:
+        """Every block back in the module for the duration, then this rank's split again (for
+        views of the whole model, such as Lightning's model summary; no collectives)."""
+        module, spec = self.lightning_module, self.spec
+        if module is None or spec is None or self.stage is None:
+            yield
+            return
+        self._restore_blocks()
+        try:
+            yield
+        finally:
+            build_stage(module, spec, self.ranges, self.stage_index)
+
+    def _park_other_blocks(self) -> None:
+        """Blocks this rank no longer runs keep their objects (a later re-plan puts them back
+        and overwrites their weights) but free the accelerator: host memory, no gradients."""
+        assert self.spec is not None
+        start, end = self.ranges[self.stage_index]
+        for index, block in enumerate(self.spec.blocks):
+            if start <= index < end:
+                continue
+            for p in block.parameters():
+                p.grad = None
+            if self.root_device.type != "cpu":
+                block.to("cpu")
+
+    @property
+    def transfer_records(self) -> list[TransferRecord]:
+        """This rank's transfers of the last training step (peer, bytes, seconds, direction)."""
+        return [] if self._executor is None else list(self._executor.transport.records)
+
+    def describe(self) -> str:
+        """The partition and schedule, as printed at setup."""
+        assert self.spec is not None and self.plan is not None
+        return describe(self.plan, self.spec, self.num_microbatches)
+
+    def _optimizer_param_names(self) -> list[list[str]]:
+        """Global names of each optimizer's parameters in optimizer order (for re-partitioning)."""
+        module = self.lightning_module
+        assert module is not None
+        names = {id(p): n for n, p in module.named_parameters()}
+        return [
+            [names[id(p)] for g in opt.param_groups for p in g["params"]] for opt in self.optimizers
+        ]
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of all tensors in a nested collection (for the re-plan log line)."""
+    total = 0
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    apply_to_collection(obj, torch.Tensor, count)
+    return total

@@ -1,0 +1,336 @@
+"""Block timings: forward, ``B`` and ``W`` seconds of each block, and what they cost per call.
+
+:func:`measure_blocks` times each block split exactly like the executor splits it
+(``stage_backward_input`` / ``stage_backward_weight``), then corrects the fastest figures into a
+training step's: the per-call cost a smaller micro-batch cannot shrink, the sustained speed under
+a CPU quota, an optimizer step's rate, and the median over rounds.
+
+Runtime layer: torch, never lightning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_deepcee.runtime.measure.passes import (
+    LossFn,
+    _RestoredState,
+    _time_pass,
+    block_fastest,
+    block_inputs,
+    parameter_bytes,
+    slice_rows,
+    sync_device,
+)
+
+__all__ = ["BlockTimings", "measure_blocks"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockTimings:
+    """What :func:`measure_blocks` measured; lists are per block, in block order."""
+
+    forward_s: tuple[float, ...]
+    """Seconds of each block's forward (the last block's includes ``loss_fn``)."""
+    backward_input_s: tuple[float, ...]
+    """Seconds of each block's input gradient (``B``); 0 when its input needs none."""
+    backward_weight_s: tuple[float, ...]
+    """Seconds of each block's weight gradient (``W``); the whole backward when ``B`` is 0."""
+    activation_bytes: tuple[int, ...]
+    """Bytes of each block's output per sample (rounded up)."""
+    parameter_bytes: tuple[int, ...]
+    """Bytes of each block's parameters."""
+    microbatch_size: int
+    """Samples in the measured micro-batch (``sample_input.shape[0]``)."""
+    fixed_s: tuple[float, ...] = ()
+    """Per block, the part of its F+B+W seconds that does not shrink with the micro-batch: the
+    intercept of the line through the totals at ``microbatch_size`` and at a quarter of it (two
+    samples at least), shared out by each block's time at the small size. Empty when the
+    micro-batch is too small for a second size."""
+    optimizer_s_per_byte: float = 0.0
+    """Seconds per parameter byte of a reference optimizer step (``torch.optim.Adam``, the
+    default ``foreach`` path) on this device, timed on clones of the largest block's parameters
+    and scaled by ``sustained_factor``; 0 when no block has parameters. The planner charges a
+    stage's devices this rate times the stage's parameter bytes (Adam reads and writes about
+    four tensors per parameter: a memory-bound step, linear in the bytes)."""
+    sustained_factor: float = 1.0
+    """Sustained over burst: wall time of back-to-back passes over all blocks divided by the sum
+    of the per-block burst times (at least 1). Above 1 when the device cannot keep its burst
+    speed, e.g. a CPU quota (cgroup ``cpu.max``) that throttles after a few milliseconds of work.
+    Every ``*_s`` figure above is already multiplied by it."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of blocks measured."""
+        return len(self.forward_s)
+
+
+def measure_blocks(
+    blocks: Sequence[nn.Module],
+    sample_input: torch.Tensor,
+    *,
+    loss_fn: LossFn | None = None,
+    sample_batch: Any = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    sustain_s: float = 0.5,
+    rounds: int = 1,
+) -> BlockTimings:
+    """Time forward, ``B`` and ``W`` of each block on one micro-batch, on ``sample_input.device``.
+
+    Block ``i`` gets the output of block ``i-1`` (block 0 gets ``sample_input``). Each block runs
+    ``warmup`` untimed then ``repeats`` timed iterations, each a pass over all blocks in a
+    pipeline stage's order (every F, then every B last block first, then every W; see
+    :func:`_time_pass`); the fastest is kept (the burst speed, see below). Backward starts
+    from a random gradient of the block output's shape, except for the last block when
+    ``loss_fn`` is given: then its forward includes
+    ``loss_fn(output, sample_batch)`` and its backward starts from that loss, as in the last
+    pipeline stage.
+
+    A block whose input needs no gradient has ``B = 0`` and ``W`` = its whole backward. That is
+    always block 0 (the data, token ids or features, never needs a gradient; the executor runs
+    the first stage's backward whole) and any block fed a non-floating-point tensor.
+
+    Two more figures make the times predict a training step rather than a micro-benchmark:
+
+    - **Fixed cost.** With two or more samples, every block is timed again on a quarter of the
+      micro-batch (rows sliced from ``sample_input`` and from every tensor of ``sample_batch``
+      with the same leading size). The line through the two *totals* over all blocks gives the
+      per-call cost a smaller micro-batch cannot shrink, shared out as ``fixed_s`` in proportion
+      to each block's time at the small size (one fit over the sum: per-block lines through two
+      noisy points often cross zero, and then small micro-batches look free). Two samples at
+      least, for BatchNorm's sake; micro-batches of one or two samples get no ``fixed_s``. The
+      two sizes also bound each other (:func:`_clamp_stalls`): an affine cost at ``size`` rows
+      is at most ``size / small`` times its cost at ``small`` rows, so a call that a CPU quota
+      stalled in every repeat is recognised and cut back.
+    - **Sustained speed.** The fastest calls miss throttling that only bites after a while (a
+      cgroup CPU quota allows a burst, then stalls the process until the next period). Full
+      passes over all blocks run back to back for ``sustain_s`` seconds (two at least); if they
+      take longer than the burst times add up to, every figure is scaled up by that factor
+      (``sustained_factor``): the fastest calls give each block's share, the sustained passes
+      the device's speed. ``sustain_s=0`` skips this. (Charging only the sustained *work* and
+      running each action at burst speed predicts steps far shorter than they run: a device
+      under its quota on average still stalls whenever a burst of actions spends the period's
+      budget, and those stalls sit on the pipeline's critical path.)
+
+    **Rounds.** With ``rounds > 1`` all of the above runs that many times in a row and every
+    figure is the median over the rounds, entry by entry. One round's sustained factor is how
+    much of its CPU quota a device got over a few seconds, which varies from one round to the
+    next; the search would then favour whichever plan a low reading makes look fast.
+
+    Side-effect free: parameters are not updated, each parameter's ``.grad`` is restored (to
+    ``None`` if it was unset), buffers (BatchNorm statistics) are restored and the global RNG
+    state (dropout) is forked. Modules stay in their current train/eval mode.
+    """
+    blocks = list(blocks)
+    _check_measure_arguments(blocks, sample_input, loss_fn, sample_batch, repeats, warmup)
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds: expected a positive integer, got {rounds!r}")
+    return _median_timings(
+        [
+            _measure_round(blocks, sample_input, loss_fn, sample_batch, repeats, warmup, sustain_s)
+            for _ in range(rounds)
+        ]
+    )
+
+
+def _median_timings(rounds: Sequence[BlockTimings]) -> BlockTimings:
+    """Every figure of ``rounds`` (one or more measurements of the same blocks) at its median."""
+    if len(rounds) == 1:
+        return rounds[0]
+
+    def per_block(name: str) -> tuple[float, ...]:
+        columns = zip(*(getattr(r, name) for r in rounds), strict=True)
+        return tuple(statistics.median(column) for column in columns)
+
+    forward, backward_input, backward_weight = (
+        per_block("forward_s"),
+        per_block("backward_input_s"),
+        per_block("backward_weight_s"),
+    )
+    # Each round's fixed part is at most its own F+B+W, but medians taken entry by entry need
+    # not keep that: F, B and W may each come from a different round, so that their sum falls
+    # under the median fixed part. Capped at the median total, as one round caps it at its own.
+    totals = [sum(parts) for parts in zip(forward, backward_input, backward_weight, strict=True)]
+    # fixed_s is empty when the micro-batch was too small for a second size: strict=False.
+    fixed = tuple(min(f, t) for f, t in zip(per_block("fixed_s"), totals, strict=False))
+    return dataclasses.replace(
+        rounds[0],
+        forward_s=forward,
+        backward_input_s=backward_input,
+        backward_weight_s=backward_weight,
+        fixed_s=fixed,
+        optimizer_s_per_byte=statistics.median(r.optimizer_s_per_byte for r in rounds),
+        sustained_factor=statistics.median(r.sustained_factor for r in rounds),
+    )
+
+
+def _measure_round(
+    blocks: list[nn.Module],
+    sample_input: torch.Tensor,
+    loss_fn: LossFn | None,
+    sample_batch: Any,
+    repeats: int,
+    warmup: int,
+    sustain_s: float,
+) -> BlockTimings:
+    """One round of :func:`measure_blocks` (arguments already checked)."""
+    device = sample_input.device
+    rng_devices = [device.index or 0] if device.type == "cuda" else []
+    size = len(sample_input)
+    with _RestoredState(blocks), torch.random.fork_rng(devices=rng_devices):
+        inputs = block_inputs(blocks, sample_input)
+        fastest = block_fastest(blocks, inputs, loss_fn, sample_batch, repeats, warmup)
+        small = max(2, size // 4)
+        small_fastest = None
+        if small < size:
+            small_batch = slice_rows(sample_batch, size, small)
+            small_inputs = [value[:small] for value in inputs]
+            try:
+                small_fastest = block_fastest(
+                    blocks, small_inputs, loss_fn, small_batch, repeats, warmup
+                )
+            except (RuntimeError, ValueError) as exc:  # a model that only takes its batch size
+                warnings.warn(
+                    f"measure_blocks: the blocks failed on a {small}-sample slice of the "
+                    f"micro-batch ({exc}); fixed per-call costs are not measured (taken as 0)",
+                    stacklevel=2,
+                )
+        fixed = []
+        if small_fastest is not None:
+            fastest, small_fastest = _clamp_stalls(fastest, small_fastest, size / small)
+            fixed = _fixed_costs(_totals(fastest), _totals(small_fastest), size, small)
+        factor = 1.0
+        burst = sum(_totals(fastest))
+        if sustain_s > 0 and burst > 0:
+            passes, start = 0, time.perf_counter()
+            while passes < 2 or time.perf_counter() - start < sustain_s:
+                _time_pass(blocks, inputs, loss_fn, sample_batch)
+                passes += 1
+            factor = max(1.0, (time.perf_counter() - start) / passes / burst)
+        activation = [
+            math.ceil(output.numel() * output.element_size() / size) for output in inputs[1:]
+        ]
+        optimizer = _optimizer_s_per_byte(blocks, repeats, warmup)
+    return BlockTimings(
+        forward_s=tuple(f * factor for f, _, _ in fastest),
+        backward_input_s=tuple(b * factor for _, b, _ in fastest),
+        backward_weight_s=tuple(w * factor for _, _, w in fastest),
+        activation_bytes=tuple(activation),
+        parameter_bytes=tuple(parameter_bytes(block) for block in blocks),
+        microbatch_size=size,
+        fixed_s=tuple(value * factor for value in fixed),
+        optimizer_s_per_byte=optimizer * factor,
+        sustained_factor=factor,
+    )
+
+
+def _optimizer_s_per_byte(blocks: Sequence[nn.Module], repeats: int, warmup: int) -> float:
+    """Fastest seconds per parameter byte of an Adam step over the largest block's parameters.
+
+    The step runs on detached clones with small random gradients (the model is not touched;
+    the caller forks the RNG), once to create Adam's state, ``warmup`` more times untimed, then
+    ``repeats`` timed; only one block is cloned so that memory stays bounded on a large model.
+    Not zero gradients: Adam's moments then stay zero and its step runs far slower than on a
+    training step's gradients.
+    """
+    largest = max(blocks, key=parameter_bytes)
+    num_bytes = parameter_bytes(largest)
+    if num_bytes == 0:
+        return 0.0
+    clones = [p.detach().clone().requires_grad_(True) for p in largest.parameters()]
+    for clone in clones:
+        clone.grad = torch.randn_like(clone).mul_(1e-3)
+    optimizer = torch.optim.Adam(clones, lr=1e-3)
+    for _ in range(1 + warmup):
+        optimizer.step()
+    fastest = math.inf
+    for _ in range(repeats):
+        sync_device(clones[0].device)
+        start = time.perf_counter()
+        optimizer.step()
+        sync_device(clones[0].device)
+        fastest = min(fastest, time.perf_counter() - start)
+    return fastest / num_bytes
+
+
+def _clamp_stalls(
+    big: Sequence[tuple[float, float, float]],
+    small: Sequence[tuple[float, float, float]],
+    ratio: float,
+) -> tuple[list[tuple[float, float, float]], list[tuple[float, float, float]]]:
+    """Bound each (block, F/B/W) time at the big size by ``ratio`` x its time at the small size.
+
+    A cost that is affine in the rows with a non-negative intercept never takes more than
+    ``ratio = size / small`` times its small-batch time, and fewer rows never take longer. A
+    fastest time above that bound is a quota stall that hit the call in every repeat. Such an
+    outlier also inflates the burst sum that ``sustained_factor`` divides by, so every *other*
+    block of the device would come out too fast, and plans with stages on that device would run
+    slower than predicted.
+    """
+    clamped = [
+        (min(bf, ratio * sf), min(bb, ratio * sb), min(bw, ratio * sw))
+        for (bf, bb, bw), (sf, sb, sw) in zip(big, small, strict=True)
+    ]
+    small_clamped = [
+        (min(sf, bf), min(sb, bb), min(sw, bw))
+        for (bf, bb, bw), (sf, sb, sw) in zip(clamped, small, strict=True)
+    ]
+    return clamped, small_clamped
+
+
+def _totals(times: Sequence[tuple[float, float, float]]) -> list[float]:
+    return [sum(fbw) for fbw in times]
+
+
+def _fixed_costs(big: Sequence[float], small: Sequence[float], size: int, rows: int) -> list[float]:
+    """Each block's per-call cost from its F+B+W at ``size`` and at ``rows`` samples.
+
+    The intercept of the line through the two *sums* over all blocks (one fit: per-block lines
+    through two noisy points often cross zero) is shared out in proportion to each block's time at
+    ``rows`` samples, and capped at the block's own time.
+    """
+    big_sum, small_sum = sum(big), sum(small)
+    slope = max(0.0, (big_sum - small_sum) / (size - rows))
+    intercept = min(big_sum, max(0.0, big_sum - slope * size))
+    if small_sum <= 0:
+        return [0.0] * len(big)
+    return [min(b, intercept * s / small_sum) for b, s in zip(big, small, strict=True)]
+
+
+def _check_measure_arguments(
+    blocks: list[nn.Module],
+    sample_input: object,
+    loss_fn: LossFn | None,
+    sample_batch: Any,
+    repeats: int,
+    warmup: int,
+) -> None:
+    if not blocks:
+        raise ValueError("blocks: expected at least one nn.Module, got 0")
+    for index, block in enumerate(blocks):
+        if not isinstance(block, nn.Module):
+            raise ValueError(f"blocks[{index}]: expected an nn.Module, got {type(block).__name__}")
+    if not isinstance(sample_input, torch.Tensor) or sample_input.dim() == 0:
+        raise ValueError(
+            "sample_input: expected a tensor with a leading batch dimension, got "
+            f"{getattr(sample_input, 'shape', type(sample_input).__name__)}"
+        )
+    if len(sample_input) == 0:
+        raise ValueError("sample_input: expected a micro-batch of at least 1 sample, got 0")
+    if loss_fn is not None and sample_batch is None:
+        raise ValueError("sample_batch: required with loss_fn (the loss reads targets from it)")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats: expected a positive integer, got {repeats!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup: expected a non-negative integer, got {warmup!r}")

@@ -1,0 +1,215 @@
+"""Whole cluster: every rank's blocks and every link, gathered into one ``ClusterProfile``.
+
+:func:`profile_cluster` checks that every rank holds the same model, times the blocks on each
+rank (waiting for the slowest without the process group's timeout), records memory and CPU quota,
+measures the network and assembles a :class:`~lightning_deepcee.profiler.DeviceProfile` per rank.
+
+Runtime layer: torch and torch.distributed, never lightning.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_deepcee.profiler.data import (
+    ClusterProfile,
+    DeviceProfile,
+    capability_score,
+    fingerprint,
+    fingerprint_cluster,
+)
+from lightning_deepcee.runtime.cpu_quota import read_cpu_quota
+from lightning_deepcee.runtime.liveness import DeviceLostError, default_store, wait_for_ranks
+from lightning_deepcee.runtime.measure.blocks import BlockTimings, measure_blocks
+from lightning_deepcee.runtime.measure.memory import available_memory_bytes
+from lightning_deepcee.runtime.measure.network import ProfilingTimeoutError, measure_network
+from lightning_deepcee.runtime.measure.passes import LossFn
+from lightning_deepcee.runtime.transport import wire_device
+
+__all__ = ["DEVICE_KIND_ENV", "model_fingerprint", "profile_cluster"]
+
+DEVICE_KIND_ENV = "DEEPCEE_DEVICE_KIND"
+"""Environment variable naming this device's class (``cloud``, ``edge``, ``end``, ...); when
+unset the kind is the torch device type (``cpu``, ``cuda``)."""
+
+
+def model_fingerprint(blocks: Sequence[nn.Module]) -> str:
+    """Fingerprint of the model structure: each block's class and parameter names/shapes/dtypes."""
+    return fingerprint(
+        [
+            {
+                "class": f"{type(block).__module__}.{type(block).__qualname__}",
+                "parameters": [
+                    [name, list(p.shape), str(p.dtype)] for name, p in block.named_parameters()
+                ],
+            }
+            for block in blocks
+        ]
+    )
+
+
+def _device_of(blocks: Sequence[nn.Module], device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for block in blocks:
+        for p in block.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def device_identities(
+    blocks: Sequence[nn.Module], group: dist.ProcessGroup | None
+) -> tuple[list[str], str]:
+    """Gather every rank's host; check that every rank holds the same model."""
+    identity = (socket.gethostname(), model_fingerprint(blocks))
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, identity, group=group)
+    fingerprints = {fp for _, fp in gathered}
+    if len(fingerprints) != 1:
+        per_rank = ", ".join(f"rank {r}: {fp}" for r, (_, fp) in enumerate(gathered))
+        raise ValueError(
+            f"profile_cluster: ranks hold different models (model fingerprints {per_rank}); "
+            "every rank must build the same full model before partitioning"
+        )
+    return [host for host, _ in gathered], identity[1]
+
+
+def profile_cluster(
+    blocks: Sequence[nn.Module],
+    sample_input: torch.Tensor,
+    *,
+    loss_fn: LossFn | None = None,
+    sample_batch: Any = None,
+    device: torch.device | str | None = None,
+    group: dist.ProcessGroup | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    small_bytes: int = 1024,
+    large_bytes: int = 4 * 2**20,
+    network_repeats: int = 3,
+    budget_s: float = 60.0,
+    op_timeout_s: float | None = None,
+    rounds: int = 3,
+) -> ClusterProfile:
+    """Measure every rank's blocks and every link; every rank returns the same profile.
+
+    Collective over ``group``. ``blocks`` is the full model (every rank holds all of it before
+    partitioning), already on ``device`` (default: the device of the first parameter).
+    ``sample_input`` is one reference micro-batch (moved to
+    ``device``; ``sample_batch``, read only by ``loss_fn``, is not moved). ``budget_s`` bounds the
+    network measurement (:func:`measure_network`); ``rounds`` is :func:`measure_blocks`' (the
+    median of that many measurements); the device kind comes from ``$DEEPCEE_DEVICE_KIND``
+    (default: the torch device type).
+    """
+    device = _device_of(blocks, device)
+    hosts, model_fp = device_identities(blocks, group)
+    timings = measure_blocks(
+        blocks,
+        sample_input.to(device),
+        loss_fn=loss_fn,
+        sample_batch=sample_batch,
+        repeats=repeats,
+        warmup=warmup,
+        rounds=rounds,
+    )
+    _wait_for_slowest_rank(group, "blocks")
+    local = {
+        "kind": os.environ.get(DEVICE_KIND_ENV, "").strip() or device.type,
+        "memory_bytes": available_memory_bytes(device),
+        "timings": timings,
+        "cpu_quota": _cpu_quota(device),
+    }
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, local, group=group)
+    network = measure_network(
+        group=group,
+        small_bytes=small_bytes,
+        large_bytes=large_bytes,
+        repeats=network_repeats,
+        budget_s=budget_s,
+        op_timeout_s=op_timeout_s,
+        device=wire_device(device, group),
+        hosts=hosts,
+    )
+    devices = [_device_profile(rank, hosts[rank], record) for rank, record in enumerate(gathered)]
+    return ClusterProfile(
+        devices=tuple(devices),
+        latency_s=network.latency_s,
+        bandwidth_bytes_per_s=network.bandwidth_bytes_per_s,
+        num_blocks=len(blocks),
+        model_fingerprint=model_fp,
+        cluster_fingerprint=fingerprint_cluster(hosts),
+    )
+
+
+_WAITS = itertools.count()
+"""Numbers the waits of this process; every rank makes the same ones, so they agree."""
+
+
+def _wait_for_slowest_rank(group: dist.ProcessGroup | None, phase: str) -> None:
+    """Wait, without the process group's timeout, until every rank has finished ``phase``.
+
+    The block timings take as long as the slowest device needs, which on a throttled device can
+    exceed the timeout ``DeepCEEStrategy`` gives its process group, and the other ranks, waiting
+    in the gather that follows, would fail. So the ranks meet in the store first
+    (:func:`~lightning_deepcee.runtime.liveness.wait_for_ranks`: as long as the slow rank's
+    heartbeat advances). A sub-group, or a run without a store, keeps the gather's timeout.
+    """
+    store = default_store()
+    world = dist.get_world_size()
+    if store is None or world == 1 or dist.get_world_size(group) != world:
+        return
+    try:
+        wait_for_ranks(store, dist.get_rank(), world, f"profile/{phase}/{next(_WAITS)}")
+    except DeviceLostError as exc:
+        raise ProfilingTimeoutError(f"profile_cluster: {exc}") from exc
+
+
+def _cpu_quota(device: torch.device) -> tuple[float, float]:
+    """``(cpu_share, cpu_period_s)`` of a CPU device under a CFS quota; ``(1.0, 0.0)`` if none.
+
+    The share is of the speed the compute threads reach unthrottled: ``quota cores / threads``
+    (a device computing on 2 threads under a 1-core quota sustains half its burst speed). A
+    GPU's compute does not run on the quota's CPU time, so no quota is recorded for it.
+    """
+    if device.type != "cpu":
+        return 1.0, 0.0
+    quota = read_cpu_quota()
+    if quota is None:
+        return 1.0, 0.0
+    share = quota.cores / max(1, torch.get_num_threads())
+    if share >= 1.0:
+        return 1.0, 0.0
+    return share, quota.period_s
+
+
+def _device_profile(rank: int, host: str, record: dict[str, Any]) -> DeviceProfile:
+    timings: BlockTimings = record["timings"]
+    cpu_share, cpu_period_s = record.get("cpu_quota", (1.0, 0.0))
+    return DeviceProfile(
+        rank=rank,
+        host=host,
+        kind=record["kind"],
+        memory_bytes=record["memory_bytes"],
+        forward_s=timings.forward_s,
+        backward_input_s=timings.backward_input_s,
+        backward_weight_s=timings.backward_weight_s,
+        activation_bytes=timings.activation_bytes,
+        parameter_bytes=timings.parameter_bytes,
+        reference_microbatch_size=timings.microbatch_size,
+        fixed_s=timings.fixed_s,
+        optimizer_s_per_byte=timings.optimizer_s_per_byte,
+        cpu_share=cpu_share,
+        cpu_period_s=cpu_period_s,
+        capability=capability_score(
+            timings.forward_s, timings.backward_input_s, timings.backward_weight_s
+        ),
+    )
