@@ -231,8 +231,10 @@ def harness_main(argv: list[str]) -> int:
     return 0
 
 
-def report(result: dict[str, Any], phases: list[tuple[str, float, float]], stem: Path) -> str:
+def render(result: dict[str, Any]) -> str:
+    """The Markdown of ``<name>.md`` (``benchmarks/report.py`` renders it too)."""
     cfg = result["config"]
+    phases = _phases(cfg["trace"], cfg["end_s"])
     modes = result["modes"]
     lines = [
         f"Topology `{Path(cfg['topology']).stem}`, trace {cfg['trace']}, GPT `{cfg['size']}`, "
@@ -266,7 +268,11 @@ def report(result: dict[str, Any], phases: list[tuple[str, float, float]], stem:
     decisions = modes.get("on", {}).get("decisions", [])
     if decisions:
         lines += ["", "Adapter decisions (rank 0's console):", "", "```text", *decisions, "```"]
-    table = "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+def report(result: dict[str, Any], phases: list[tuple[str, float, float]], stem: Path) -> str:
+    table = render(result)
     stem.with_suffix(".md").write_text(table)
     _plot(result, phases, stem.with_suffix(".png"))
     return table

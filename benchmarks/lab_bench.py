@@ -462,10 +462,15 @@ def _stats(runs: list[dict[str, Any]]) -> dict[str, float] | None:
     return dict(median=statistics.median(vals), min=min(vals), max=max(vals), n=len(vals))
 
 
-def report(result: dict[str, Any], results_dir: Path, name: str) -> str:
+def _order(systems: dict[str, Any]) -> list[str]:
+    return [s for s in SYSTEMS if s in systems] + [s for s in systems if s not in SYSTEMS]
+
+
+def render(result: dict[str, Any]) -> str:
+    """The Markdown of ``<name>.md`` (``benchmarks/report.py`` renders it too)."""
     cfg = result["config"]
     systems: dict[str, Any] = result["systems"]
-    order = [s for s in SYSTEMS if s in systems] + [s for s in systems if s not in SYSTEMS]
+    order = _order(systems)
     base = _stats(systems.get("ddp", {}).get("runs", []))
     model = cfg.get("model", "gpt")
     sample = (
@@ -540,9 +545,13 @@ def report(result: dict[str, Any], results_dir: Path, name: str) -> str:
             "|---|---|---|---|---|---|---|---|",
             *errors,
         ]
-    table = "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+def report(result: dict[str, Any], results_dir: Path, name: str) -> str:
+    table = render(result)
     (results_dir / f"{name}.md").write_text(table)
-    _plot(result, order, results_dir / f"{name}.png", name)
+    _plot(result, _order(result["systems"]), results_dir / f"{name}.png", name)
     return table
 
 
@@ -582,18 +591,48 @@ def _plot(result: dict[str, Any], order: list[str], path: Path, name: str) -> No
 def parse_with_config(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse ``argv``; a ``--config`` YAML (configs/bench/) supplies defaults for any option.
 
-    Keys may use ``-`` or ``_``; a key that is not an option of ``p`` is an error.
+    Keys may use ``-`` or ``_``. The file is checked against a dataclass made from ``p``'s options
+    (an int option takes an int, a flag true or false, a path or text option text) by the schema
+    loader (omegaconf); an unknown key, a wrong type or a value outside an option's choices stops
+    with an error naming the file and the key. Command-line options override the file.
     """
-    pre, _ = p.parse_known_args(argv)
-    if pre.config is not None:
-        import yaml
+    import dataclasses
+    from collections.abc import Mapping
 
-        defaults = yaml.safe_load(pre.config.read_text()) or {}
-        known = {a.dest for a in p._actions}
-        unknown = sorted(set(k.replace("-", "_") for k in defaults) - known)
-        if unknown:
-            p.error(f"{pre.config}: unknown keys {unknown}")
-        p.set_defaults(**{k.replace("-", "_"): v for k, v in defaults.items()})
+    from lightning_deepcee.profiler.schema import load_structured, read_yaml
+
+    pre, _ = p.parse_known_args(argv)
+    if pre.config is None:
+        return p.parse_args(argv)
+    options = [a for a in p._actions if a.dest not in ("help", "config", argparse.SUPPRESS)]
+    kinds = {
+        a.dest: bool if a.nargs == 0 else a.type if a.type in (int, float) else str for a in options
+    }
+    schema = dataclasses.make_dataclass(
+        "BenchConfig",
+        [(dest, kind | None, dataclasses.field(default=None)) for dest, kind in kinds.items()],
+    )
+    source = str(pre.config)
+    try:
+        data = read_yaml(pre.config)
+    except FileNotFoundError:
+        p.error(f"config file {source!r} does not exist")
+    except ValueError as err:  # not valid YAML
+        p.error(str(err))
+    if isinstance(data, Mapping) or data is None:  # an empty file sets nothing
+        data = {str(key).replace("-", "_"): value for key, value in (data or {}).items()}
+    try:
+        config = load_structured(schema, data, source=source)
+        for action in options:
+            value = getattr(config, action.dest)
+            if action.dest in data and action.choices and value not in action.choices:
+                raise ValueError(
+                    f"{source}: {action.dest}: expected one of {list(action.choices)}, got "
+                    f"{value!r}; write one of them"
+                )
+    except ValueError as err:
+        p.error(str(err))
+    p.set_defaults(**{dest: getattr(config, dest) for dest in data})
     return p.parse_args(argv)
 
 

@@ -27,6 +27,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from lightning_deepcee.planner.cost_model import predict_plan
 from lightning_deepcee.planner.plan import Plan
 from lightning_deepcee.profiler.data import ClusterProfile
 
-__all__ = ["PlannedRun", "cross_predictions", "load_runs", "main", "report"]
+__all__ = ["PlannedRun", "cross_predictions", "header", "load_runs", "main", "report", "sections"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,13 +120,10 @@ def _layout(plan: Plan) -> str:
     return f"{plan.schedule} m={plan.num_microbatches} {stages}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="+", help="lab_bench.py results files (JSON)")
-    parser.add_argument("--out", help="also write the report to this Markdown file")
-    args = parser.parse_args(argv)
-    sections = []
-    for path in args.results:
+def sections(paths: Sequence[str | Path]) -> str:
+    """One report section per results file with at least two planned runs (notes on stderr)."""
+    out = []
+    for path in paths:
         runs = load_runs(path)
         if len(runs) < 2:
             print(f"{path}: fewer than two planned runs, nothing to compare", file=sys.stderr)
@@ -139,20 +137,34 @@ def main(argv: list[str] | None = None) -> int:
                     f"the run recorded {recorded:.4f} s (the cost model changed since)",
                     file=sys.stderr,
                 )
-        sections.append(report(Path(path).stem, runs, table))
-    text = "\n".join(sections)
-    print(text)
-    if args.out:
-        header = [
+        out.append(report(Path(path).stem, runs, table))
+    return "\n".join(out)
+
+
+def header(results: Sequence[str], out: str) -> str:
+    """The top of the ``--out`` file: the command that made it."""
+    return "\n".join(
+        [
             "# Every plan under every profile (`benchmarks/profile_spread.py`)",
             "",
             "```bash",
-            "python benchmarks/profile_spread.py " + " ".join(args.results) + f" --out {args.out}",
+            "python benchmarks/profile_spread.py " + " ".join(results) + f" --out {out}",
             "```",
             "",
             "",
         ]
-        Path(args.out).write_text("\n".join(header) + text)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="+", help="lab_bench.py results files (JSON)")
+    parser.add_argument("--out", help="also write the report to this Markdown file")
+    args = parser.parse_args(argv)
+    text = sections(args.results)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(header(args.results, args.out) + text)
     return 0
 
 

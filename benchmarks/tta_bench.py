@@ -291,7 +291,8 @@ def harness_main(argv: list[str]) -> int:
     return 0
 
 
-def report(result: dict[str, Any], stem: Path) -> str:
+def render(result: dict[str, Any]) -> str:
+    """The Markdown of ``<name>.md`` (``benchmarks/report.py`` renders it too)."""
     cfg = result["config"]
     lines = [
         f"Topology `{Path(cfg['topology']).stem}`, GPT `{cfg['size']}`, global batch "
@@ -321,7 +322,11 @@ def report(result: dict[str, Any], stem: Path) -> str:
             f"| {system} | {len(hits)}/{len(entry['runs'])} | {medians[system]:.1f} | "
             f"{min(times):.1f} | {max(times):.1f} | {', '.join(map(str, steps))} | {ratio} |"
         )
-    table = "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+def report(result: dict[str, Any], stem: Path) -> str:
+    table = render(result)
     stem.with_suffix(".md").write_text(table)
     _plot(result, stem.with_suffix(".png"))
     return table

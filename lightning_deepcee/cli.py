@@ -82,12 +82,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     cons.add_argument("checkpoint", help="checkpoint directory (with meta.pt and stage_NNN.pt)")
     cons.add_argument("output", help="output file for torch.save(state_dict)")
     cons.set_defaults(func=_consolidate)
-    plan = sub.add_parser("plan", help="search a plan offline from a cluster profile")
-    plan.add_argument("--profile", required=True, help="ClusterProfile YAML or JSON")
+    plan = sub.add_parser(
+        "plan",
+        help="search a plan offline from a cluster profile",
+        description="Search a plan offline from a cluster profile (one that "
+        "DeepCEEStrategy(profile_cache=...) measured, or one written by hand) and write it as "
+        "JSON; train with it by DeepCEEStrategy(plan='plan.json'), which skips the search.",
+    )
+    plan.add_argument(
+        "--profile", required=True, metavar="FILE", help="cluster profile, YAML or JSON"
+    )
     plan.add_argument(
         "--global-batch-size",
         type=int,
         required=True,
+        metavar="N",
         help="samples per optimizer step over the whole cluster (what the plan is sized for)",
     )
     plan.add_argument(

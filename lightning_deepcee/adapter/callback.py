@@ -67,7 +67,7 @@ class DynamicEnvironmentAdapter(Callback):
         replan_gain: the least predicted gain, as a fraction of the running plan's predicted step
             time (on the observed profile), for which a re-plan moves blocks; in ``[0, 1)``.
             Moving blocks costs a gather of the whole training state and a re-calibration, and
-            the cost model is off by up to a few tens of percent on the lab, so a smaller gain is
+            a predicted gain within the cost model's error may not be real, so a smaller gain is
             not worth acting on.
         tune_gain: the least relative drop of the median step time (over ``window`` steps) for
             the tuner to keep a finer split, in ``[0, 1)``; ``None`` keeps the monitor's split.

@@ -2,9 +2,9 @@
 new plan is worth moving blocks for.
 
 Pure (stdlib plus the pure core: profiler data, planner), tested in one process. The Lightning
-Callback (:class:`~lightning_deepcee.callbacks.DynamicEnvironmentAdapter`) gathers every rank's
-link figures, calls :func:`observed_profile` and :func:`choose_replan` on rank 0, broadcasts the
-:class:`ReplanChoice` and, when it says so, has the strategy move the blocks
+Callback (:class:`~lightning_deepcee.adapter.callback.DynamicEnvironmentAdapter`) gathers every
+rank's link figures, calls :func:`observed_profile` and :func:`choose_replan` on rank 0,
+broadcasts the :class:`ReplanChoice` and, when it says so, has the strategy move the blocks
 (``DeepCEEStrategy.apply_plan``).
 
 Roughly, on a ``replan`` decision:
@@ -112,10 +112,9 @@ def observed_profile(
     gets its own ratio. A pipeline link carries activations one way and gradients the other, so
     both directions are usually watched; when one is not (too few bytes, or no traffic in the
     current plan), assuming the same change both ways is the better guess for a WAN link (a
-    congested or re-shaped path slows both directions; the lab's halved link measured 1.29 and
-    1.33 MB/s) and the conservative one for the planner, which would otherwise route the
-    gradients back over a link it believes unchanged. Later figures of one link override
-    earlier ones (put decisions last).
+    congested or re-shaped path slows both directions) and the conservative one for the
+    planner, which would otherwise route the gradients back over a link it believes unchanged.
+    Later figures of one link override earlier ones (put decisions last).
 
     Returns the new profile and, per rescaled link, ``(old, new)`` bandwidth in bytes/s.
     """

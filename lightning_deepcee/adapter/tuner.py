@@ -55,8 +55,8 @@ class SplitTuner:
     """Steps left out after each change: the first step with new micro-batch sizes rebuilds the
     executors and cannot receive ahead (its slot sizes are from the old split)."""
     min_gain: float = 0.05
-    """The least relative improvement of the median step time for a finer split to be kept; the
-    lab's step times vary by a few percent between windows."""
+    """The least relative improvement of the median step time for a finer split to be kept; it
+    stays above the step time's noise between windows, so noise alone never keeps a split."""
     active: bool = False
     split: int = 1
     best_split: int = 1

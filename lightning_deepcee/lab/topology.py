@@ -14,18 +14,22 @@ A topology YAML looks like::
 
 Latency, delay, loss and jitter are refused: this kernel has no ``netem``, so the lab can only
 shape bandwidth (htb). Latency belongs in the simulator (``lightning_deepcee.schedule.simulate``).
+
+The file's keys and types are checked against :class:`TopologyFile` by the schema loader
+(:func:`lightning_deepcee.profiler.schema.load_structured`, omegaconf); what no type can say
+(names, ranges, the region graph being a tree) is checked when the :class:`Topology` is built.
 Nothing here imports Mininet; every check runs without root.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from lightning_deepcee.profiler.schema import load_structured, read_yaml
 
 __all__ = [
     "LATENCY_KEYS",
@@ -33,9 +37,10 @@ __all__ = [
     "Device",
     "Region",
     "Topology",
+    "TopologyFile",
     "WanLink",
+    "latency_key_hint",
     "load_topology",
-    "refuse_latency_keys",
 ]
 
 MAX_LINK_MBIT = 1000.0
@@ -68,36 +73,17 @@ _RESERVED_PREFIX = "dlab"
 _MAX_REGIONS = 10
 
 
-def refuse_latency_keys(entry: Mapping[str, Any], where: str) -> None:
-    """Raise ValueError if ``entry`` asks for latency, delay, loss or jitter."""
-    bad = sorted(k for k in entry if str(k).lower() in LATENCY_KEYS)
-    if bad:
-        raise ValueError(f"{where}.{bad[0]}: {_NO_NETEM}")
+def latency_key_hint(key: str) -> str | None:
+    """Why ``key`` is refused when it asks for latency, delay, loss or jitter; else ``None``."""
+    return _NO_NETEM if key.lower() in LATENCY_KEYS else None
 
 
-def _check_keys(entry: Any, where: str, required: set[str], optional: set[str]) -> None:
-    if not isinstance(entry, Mapping):
-        raise ValueError(f"{where} must be a mapping, got {type(entry).__name__}: {entry!r}")
-    refuse_latency_keys(entry, where)
-    unknown = sorted(set(map(str, entry)) - required - optional)
-    if unknown:
-        raise ValueError(
-            f"{where}.{unknown[0]} is not a known key; allowed: {sorted(required | optional)}"
-        )
-    missing = sorted(required - set(entry))
-    if missing:
-        raise ValueError(f"{where}.{missing[0]} is required")
-
-
-def _mbit(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{where} must be a number of Mbit/s, got {value!r}")
+def _check_mbit(value: float, where: str) -> None:
     if not 0 < value <= MAX_LINK_MBIT:
         raise ValueError(
-            f"{where}={value} Mbit/s is out of range: use 0 < {where.rsplit('.', 1)[-1]} <= "
+            f"{where}={value:g} Mbit/s is out of range: use 0 < {where.rsplit('.', 1)[-1]} <= "
             f"{MAX_LINK_MBIT:g} (Mininet's TCLink limit)"
         )
-    return float(value)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -143,9 +129,9 @@ class Topology:
     cpu_period_ms: float = 100.0
     """The CFS period of every device's CPU quota (Mininet's ``period_us``, default 100 ms). A
     quota lets a device run at full speed for ``cpu x cores x period``, then stalls it until the
-    period ends: with 100 ms, an end device at 12% of a core runs 12 ms and stalls 88 ms, far
-    burstier than a slow CPU (its actions and messages take 1-20 ms). A shorter period spreads
-    the same share evenly; the quota must stay >= 1 ms (the kernel's least)."""
+    period ends: with 100 ms, a device at 12% of a core runs 12 ms and stalls 88 ms, far
+    burstier than a slow CPU when its actions and messages take milliseconds. A shorter period
+    spreads the same share evenly; the quota must stay >= 1 ms (the kernel's least)."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -249,81 +235,65 @@ class Topology:
 
     @classmethod
     def from_dict(cls, data: Any, default_name: str = "lab") -> Topology:
-        _check_keys(data, "topology", {"regions", "devices"}, {"name", "wan", "cpu_period_ms"})
-        regions_in = data["regions"]
-        if not isinstance(regions_in, Mapping) or not regions_in:
-            raise ValueError("topology.regions must be a non-empty mapping of region name to {...}")
-        regions = []
-        for name, entry in regions_in.items():
-            where = f"regions.{name}"
-            _check_keys(entry, where, {"lan_mbit"}, set())
-            regions.append(
-                Region(name=str(name), lan_mbit=_mbit(entry["lan_mbit"], where + ".lan_mbit"))
-            )
-        devices_in = data["devices"]
-        if not isinstance(devices_in, list) or not devices_in:
-            raise ValueError("topology.devices must be a non-empty list of {name, region, cpu}")
-        devices = []
-        for i, entry in enumerate(devices_in):
-            where = f"devices[{i}]"
-            _check_keys(entry, where, {"name", "region", "cpu"}, set())
-            cpu = entry["cpu"]
-            if isinstance(cpu, bool) or not isinstance(cpu, int | float) or not 0 < cpu <= 1:
-                raise ValueError(
-                    f"{where}.cpu={cpu!r} must be a fraction of all cores in (0, 1] "
-                    "(Mininet's CPULimitedHost cpu=)"
-                )
-            devices.append(
-                Device(name=str(entry["name"]), region=str(entry["region"]), cpu=float(cpu))
-            )
-        wan_in = data.get("wan") or []
-        if not isinstance(wan_in, list):
-            raise ValueError("topology.wan must be a list of {regions: [a, b], mbit}")
+        """Build from a parsed topology file (see :class:`TopologyFile`); ``ValueError`` names
+        the key, the expected type or value and the fix."""
+        file = load_structured(TopologyFile, data, unknown_key_hint=latency_key_hint)
         wan = []
-        for i, entry in enumerate(wan_in):
-            where = f"wan[{i}]"
-            _check_keys(entry, where, {"regions", "mbit"}, set())
-            pair = entry["regions"]
-            if not isinstance(pair, list | tuple) or len(pair) != 2:
-                raise ValueError(f"{where}.regions must be two region names, got {pair!r}")
-            wan.append(
-                WanLink(
-                    regions=(str(pair[0]), str(pair[1])), mbit=_mbit(entry["mbit"], where + ".mbit")
-                )
-            )
+        for i, link in enumerate(file.wan or ()):
+            if len(link.regions) != 2:
+                raise ValueError(f"wan[{i}].regions must be two region names, got {link.regions}")
+            wan.append(WanLink(regions=(link.regions[0], link.regions[1]), mbit=link.mbit))
         return cls(
-            name=str(data.get("name", default_name)),
-            regions=tuple(regions),
-            devices=tuple(devices),
+            name=default_name if file.name is None else file.name,
+            regions=tuple(Region(name=n, lan_mbit=r.lan_mbit) for n, r in file.regions.items()),
+            devices=tuple(file.devices),
             wan=tuple(wan),
-            cpu_period_ms=_period_ms(data.get("cpu_period_ms", 100.0)),
+            cpu_period_ms=file.cpu_period_ms,
         )
 
 
-def _period_ms(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 1 <= value <= 1000:
-        raise ValueError(
-            f"topology.cpu_period_ms={value!r} must be a number of milliseconds in [1, 1000] "
-            "(the kernel's CFS period range)"
-        )
-    return float(value)
+@dataclass(kw_only=True)
+class RegionEntry:
+    """A region in a topology file, under its name: ``cloud: {lan_mbit: 1000}``."""
+
+    lan_mbit: float
+
+
+@dataclass(kw_only=True)
+class WanEntry:
+    """A WAN link in a topology file: ``{regions: [cloud, edge], mbit: 100}``."""
+
+    regions: list[str]
+    mbit: float
+
+
+@dataclass(kw_only=True)
+class TopologyFile:
+    """The keys and types of a topology YAML file (the schema the loader checks it against)."""
+
+    name: str | None = None
+    """Defaults to the file name without its extension."""
+    regions: dict[str, RegionEntry]
+    devices: list[Device]
+    wan: list[WanEntry] | None = None
+    cpu_period_ms: float = 100.0
 
 
 def _validate(topo: Topology) -> None:
     region_names = [r.name for r in topo.regions]
     if not region_names:
-        raise ValueError("topology.regions is empty; declare at least one region")
+        raise ValueError("regions is empty; declare at least one region")
     if len(region_names) > _MAX_REGIONS:
         raise ValueError(
-            f"topology.regions has {len(region_names)} regions; at most {_MAX_REGIONS}"
+            f"regions has {len(region_names)} regions; at most {_MAX_REGIONS}: merge some"
         )
     _unique(region_names, "regions")
     for r in topo.regions:
         if not _REGION_NAME.match(r.name):
             raise ValueError(f"regions.{r.name}: region names must match {_REGION_NAME.pattern}")
-        _mbit(r.lan_mbit, f"regions.{r.name}.lan_mbit")
+        _check_mbit(r.lan_mbit, f"regions.{r.name}.lan_mbit")
     if not topo.devices:
-        raise ValueError("topology.devices is empty; declare at least one device")
+        raise ValueError("devices is empty; declare at least one device")
     device_names = [d.name for d in topo.devices]
     _unique(device_names, "devices")
     for i, d in enumerate(topo.devices):
@@ -339,7 +309,10 @@ def _validate(topo: Topology) -> None:
         if d.region not in region_names:
             raise ValueError(f"{where}.region={d.region!r} is not a region; known: {region_names}")
         if not 0 < d.cpu <= 1:
-            raise ValueError(f"{where}.cpu={d.cpu} must be in (0, 1]")
+            raise ValueError(
+                f"{where}.cpu={d.cpu:g} must be a fraction of all cores in (0, 1] "
+                "(Mininet's CPULimitedHost cpu=)"
+            )
     total_cpu = sum(d.cpu for d in topo.devices)
     if total_cpu > 1.0 + 1e-9:
         raise ValueError(
@@ -349,6 +322,11 @@ def _validate(topo: Topology) -> None:
     for name in region_names:
         if not topo.devices_in(name):
             raise ValueError(f"regions.{name} has no device; add one or remove the region")
+    if not 1 <= topo.cpu_period_ms <= 1000:
+        raise ValueError(
+            f"cpu_period_ms={topo.cpu_period_ms:g} must be a number of milliseconds in [1, 1000] "
+            "(the kernel's CFS period range)"
+        )
     _validate_wan(topo, region_names)
 
 
@@ -369,7 +347,7 @@ def _validate_wan(topo: Topology, region_names: list[str]) -> None:
                 raise ValueError(f"{where}.regions: {end!r} is not a region; known: {region_names}")
         if a == b:
             raise ValueError(f"{where}.regions=[{a}, {b}] joins a region to itself")
-        _mbit(link.mbit, f"{where}.mbit")
+        _check_mbit(link.mbit, f"{where}.mbit")
         key = frozenset((a, b))
         if key in seen:
             raise ValueError(f"{where}.regions=[{a}, {b}]: duplicate WAN link")
@@ -398,10 +376,10 @@ def _unique(names: list[str], field: str) -> None:
 
 
 def load_topology(path: str | Path) -> Topology:
-    """Read and validate a topology YAML file."""
+    """Read and validate a topology YAML file; every error starts with the file name."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = read_yaml(path)
     except FileNotFoundError:
         raise ValueError(f"topology file {str(path)!r} does not exist") from None
     try:

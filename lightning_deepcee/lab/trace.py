@@ -7,7 +7,9 @@ A trace YAML is a list of events (or a mapping with an ``events`` list)::
     - {at_s: 60, link: [cloud, edge], bandwidth_mbit: 100}
 
 ``at_s`` counts from the moment the command starts on every device. Latency, loss and jitter are
-refused (no netem on this kernel). Nothing here imports Mininet.
+refused (no netem on this kernel). Each event's keys and types are checked against
+:class:`TraceEventEntry` by the schema loader (omegaconf); ranges and the link's two ends are
+checked after. Nothing here imports Mininet.
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from lightning_deepcee.lab.topology import MAX_LINK_MBIT, Topology, latency_key_hint
+from lightning_deepcee.profiler.schema import load_structured, read_yaml
 
-from lightning_deepcee.lab.topology import MAX_LINK_MBIT, Topology, refuse_latency_keys
-
-__all__ = ["Trace", "TraceEvent", "load_trace"]
+__all__ = ["Trace", "TraceEvent", "TraceEventEntry", "TraceFile", "load_trace"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,39 +61,53 @@ class Trace:
 
     @classmethod
     def from_data(cls, data: Any) -> Trace:
+        """Build from a parsed trace file: a list of events, a mapping ``{events: [...]}`` or
+        nothing. ``ValueError`` names the event (``trace[3].at_s``), the expected type or
+        value and the fix."""
         if data is None:
             return cls()
         if isinstance(data, Mapping):
-            if set(data) != {"events"}:
-                raise ValueError("a trace is a list of events, or a mapping with only 'events'")
-            data = data["events"] or []
+            wrapper = load_structured(TraceFile, data, key="trace", passthrough={"events"})
+            data = wrapper.events or []
         if not isinstance(data, list):
-            raise ValueError(f"a trace must be a list of events, got {type(data).__name__}")
+            raise ValueError(
+                f"trace: expected a list of events {{at_s, link, bandwidth_mbit}}, got "
+                f"{type(data).__name__} {data!r}"
+            )
         return cls(events=tuple(_event(entry, f"trace[{i}]") for i, entry in enumerate(data)))
 
 
+@dataclass(kw_only=True)
+class TraceEventEntry:
+    """The keys and types of one event in a trace file (the schema the loader checks)."""
+
+    at_s: float
+    link: list[str]
+    bandwidth_mbit: float
+
+
+@dataclass(kw_only=True)
+class TraceFile:
+    """A trace written as a mapping: only ``events`` (a list of :class:`TraceEventEntry`)."""
+
+    events: list[Any] | None = None
+
+
 def _event(entry: Any, where: str) -> TraceEvent:
-    if not isinstance(entry, Mapping):
-        raise ValueError(f"{where} must be a mapping {{at_s, link, bandwidth_mbit}}, got {entry!r}")
-    refuse_latency_keys(entry, where)
-    allowed = {"at_s", "link", "bandwidth_mbit"}
-    unknown = sorted(set(map(str, entry)) - allowed)
-    if unknown:
-        raise ValueError(f"{where}.{unknown[0]} is not a known key; allowed: {sorted(allowed)}")
-    missing = sorted(allowed - set(entry))
-    if missing:
-        raise ValueError(f"{where}.{missing[0]} is required")
-    at_s, link, mbit = entry["at_s"], entry["link"], entry["bandwidth_mbit"]
-    if isinstance(at_s, bool) or not isinstance(at_s, int | float) or at_s < 0:
-        raise ValueError(f"{where}.at_s={at_s!r} must be a number of seconds >= 0")
-    if not isinstance(link, list | tuple) or len(link) != 2:
-        raise ValueError(f"{where}.link={link!r} must be [region, region] or [device, region]")
-    if isinstance(mbit, bool) or not isinstance(mbit, int | float) or not 0 < mbit <= MAX_LINK_MBIT:
+    event = load_structured(TraceEventEntry, entry, key=where, unknown_key_hint=latency_key_hint)
+    if event.at_s < 0:
+        raise ValueError(f"{where}.at_s={event.at_s:g} must be a number of seconds >= 0")
+    if len(event.link) != 2:
         raise ValueError(
-            f"{where}.bandwidth_mbit={mbit!r} must be a number in (0, {MAX_LINK_MBIT:g}] Mbit/s"
+            f"{where}.link={event.link!r} must be [region, region] or [device, region]"
+        )
+    if not 0 < event.bandwidth_mbit <= MAX_LINK_MBIT:
+        raise ValueError(
+            f"{where}.bandwidth_mbit={event.bandwidth_mbit:g} must be a number in "
+            f"(0, {MAX_LINK_MBIT:g}] Mbit/s"
         )
     return TraceEvent(
-        at_s=float(at_s), link=(str(link[0]), str(link[1])), bandwidth_mbit=float(mbit)
+        at_s=event.at_s, link=(event.link[0], event.link[1]), bandwidth_mbit=event.bandwidth_mbit
     )
 
 
@@ -100,11 +115,13 @@ def load_trace(path: str | Path, topology: Topology | None = None) -> Trace:
     """Read a trace YAML; with ``topology``, also check that every link exists in it."""
     path = Path(path)
     try:
-        trace = Trace.from_data(yaml.safe_load(path.read_text()))
-        if topology is not None:
-            trace.validate(topology)
+        data = read_yaml(path)
     except FileNotFoundError:
         raise ValueError(f"trace file {str(path)!r} does not exist") from None
+    try:
+        trace = Trace.from_data(data)
+        if topology is not None:
+            trace.validate(topology)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
     return trace

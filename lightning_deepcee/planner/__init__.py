@@ -1,8 +1,6 @@
-"""Planner (pure core): partitions, cost model, search and the Plan."""
+"""Planner (pure core): partitions, cost model, evaluator, search and the Plan."""
 
 from lightning_deepcee.planner.cost_model import (
-    CostModelConfig,
-    Prediction,
     allreduce_time_s,
     in_flight_microbatches,
     predict,
@@ -11,21 +9,20 @@ from lightning_deepcee.planner.cost_model import (
     stage_costs,
     transfer_time_s,
 )
+from lightning_deepcee.planner.evaluator import Evaluator
 from lightning_deepcee.planner.partition import (
     balanced_partition,
     check_partition,
+    heterogeneous_partition,
     partition_from_sizes,
 )
 from lightning_deepcee.planner.plan import Plan, StagePlan
-from lightning_deepcee.planner.search import (
-    baseline_plans,
-    heterogeneous_partition,
-    make_plan,
-    plan_search,
-)
+from lightning_deepcee.planner.prediction import CostModelConfig, Prediction
+from lightning_deepcee.planner.search import baseline_plans, make_plan, plan_search
 
 __all__ = [
     "CostModelConfig",
+    "Evaluator",
     "Plan",
     "Prediction",
     "StagePlan",

@@ -1,8 +1,10 @@
 """Profiler: what the cluster can do, and which devices belong together.
 
-The pure core lives here: profile data types (:mod:`.data`) and two-level device grouping
-(:mod:`.grouping`). Neither imports torch or lightning, so planning from a saved or hand-written
-profile works anywhere. Measurement benchmarks that need torch live in a separate module.
+The pure core lives here: profile data types (:mod:`.device`, :mod:`.cluster`, :mod:`.cache`,
+gathered in :mod:`.data`), the schema loader every YAML file of the project goes through
+(:mod:`.schema`) and two-level device grouping (:mod:`.grouping`). None imports torch or
+lightning, so planning from a saved or hand-written profile works anywhere. Measurement, which
+needs torch, lives in the runtime.
 """
 
 from __future__ import annotations

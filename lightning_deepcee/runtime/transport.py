@@ -9,11 +9,10 @@ they were sent, which the schedule validator guarantees matches the order they a
 Headers, payload slots and the rest of payloads travel on three tags.
 
 **Receiving ahead** (``prefetch``, gloo only). Gloo moves a message only once the receiver has
-posted its receive: the sender's payload waits in a rendezvous (a 50 MB send to a receiver that
-posts 5 s late completes after 5 s), and the receiver's "ready" travels back over the reverse
-link, where on a pipeline's slow hop it queues behind the other direction's payloads. On the lab
-an 80 KB activation that takes 32 ms on a 20 Mbit/s link took about 60 ms from its receive's
-posting, and forward sends waited up to 400 ms for their receives. With ``prefetch``,
+posted its receive: the sender's payload waits in a rendezvous until then, however late, and
+the receiver's "ready" travels back over the reverse link, where on a pipeline's slow hop it
+queues behind the other direction's payloads. A receive posted only when the rank needs the
+tensor thus adds that round trip to every transfer and holds senders back. With ``prefetch``,
 :meth:`P2PTransport.begin_step` posts every receive of the step at its start: the header, and a
 payload *slot* as large as the same message of the last step of the same kind (both ends of a
 pair saw that size, so both know the slot without asking). The sender fills the slot (padding a

@@ -14,8 +14,8 @@ This module owns the timing model the planner uses to compare schedules before a
   it does not use while it waits lets its next actions run at full speed: a token bucket that
   earns ``share`` seconds of full speed per second and holds at most one period's budget
   (:meth:`_Simulator._compute_end`). A pipeline's short bubbles then cost such a device
-  nothing: on the lab's four devices at 0.48 of a core, ZB-H1 steps with four micro-batches took
-  the busiest device's compute time (499 ms) where the bubbles made 596 ms without this.
+  nothing: the device catches up after them, so a step can shrink to its busiest device's
+  compute time, where a model without the bucket would add the bubbles on top.
 
 Latency is folded into the transfer time (it occupies the link), and a send does not wait for
 the receiver to post its receive; both are deliberate simplifications of the real transport.

@@ -132,8 +132,7 @@ def test_cpu_quota_forgives_the_bubbles_a_period_can_absorb() -> None:
 def test_host_cpu_under_a_quota_sets_a_floor_on_the_step() -> None:
     """A quota-limited device also spends CPU outside its blocks (Lightning's loop, every byte it
     sends or receives); at its quota that CPU takes ``cpu / share`` of wall time, after its
-    compute and optimizer step. On the lab a 6-stage plan whose end device was held at 12% of a
-    core ran 1000 ms a step against 797 predicted without this floor."""
+    compute and optimizer step."""
     plain = make_profile(
         speeds=[1.0, 1.0], num_blocks=2, block_s=0.01, activation_bytes=1000, parameter_bytes=100
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,7 @@ def test_base_round_trips() -> None:
         ("regions.cloud.lan_mbit", -5, r"regions\.cloud\.lan_mbit=-5 Mbit/s is out of range"),
         ("regions.cloud.lan_mbit", 10000, r"lan_mbit=10000 Mbit/s is out of range"),
         ("wan.0.mbit", -1, r"wan\[0\]\.mbit=-1"),
-        ("wan.0.mbit", "fast", r"wan\[0\]\.mbit must be a number"),
+        ("wan.0.mbit", "fast", r"^wan\[0\]\.mbit: expected float, got str 'fast'; write a number$"),
         ("wan.1.regions", ["edge", "mars"], r"wan\[1\]\.regions: 'mars' is not a region"),
         ("wan.1.regions", ["cloud", "edge"], "duplicate WAN link"),
         ("wan.1.regions", ["edge", "edge"], "joins a region to itself"),
@@ -74,10 +75,30 @@ def test_base_round_trips() -> None:
         ("wan.0.delay", "10ms", r"wan\[0\]\.delay: .*no netem"),
         ("devices.2.loss", 1, r"devices\[2\]\.loss: .*no netem"),
         ("regions.edge.jitter_ms", 3, r"regions\.edge\.jitter_ms: .*no netem"),
-        ("latency", {"cloud": 5}, r"topology\.latency: .*no netem"),
-        ("devices.0.gpu", 1, r"devices\[0\]\.gpu is not a known key"),
+        ("latency", {"cloud": 5}, r"^latency: this kernel has no netem"),
+        (
+            "devices.0.gpu",
+            1,
+            r"^devices\[0\]\.gpu: unknown key of Device; remove it or fix its spelling "
+            r"\(allowed: name, region, cpu\)$",
+        ),
+        ("colour", "red", r"^colour: unknown key of TopologyFile; .*\(allowed: name, regions,"),
+        ("devices.1", "edge0", r"^devices\[1\]: expected a mapping of Device keys \(name, region"),
+        (
+            "devices.1.cpu",
+            True,
+            r"^devices\[1\]\.cpu: expected float, got bool True; write a number",
+        ),
+        ("devices.1.name", 7, r"^devices\[1\]\.name: expected str, got int 7; quote it"),
+        ("wan.0.regions", ["cloud", 3], r"^wan\[0\]\.regions\[1\]: expected str, got int 3"),
+        ("wan.0.regions", ["cloud"], r"^wan\[0\]\.regions must be two region names"),
+        ("regions.cloud", 1000, r"^regions\.cloud: expected a mapping of RegionEntry keys"),
         ("cpu_period_ms", 0.5, r"cpu_period_ms=0\.5 must be a number of milliseconds"),
-        ("cpu_period_ms", "10", r"cpu_period_ms='10'"),
+        (
+            "cpu_period_ms",
+            "10",
+            r"^cpu_period_ms: expected float, got str '10'; write the number without quotes$",
+        ),
     ],
 )
 def test_invalid_topologies_name_the_field(path: str, value: Any, message: str) -> None:
@@ -97,11 +118,14 @@ def test_region_cycle_and_disconnection_are_refused() -> None:
 
 
 def test_missing_and_empty_fields() -> None:
-    with pytest.raises(ValueError, match=r"devices\[0\]\.cpu is required"):
+    with pytest.raises(
+        ValueError,
+        match=r"^devices\[0\]\.cpu: missing required key of Device; add it \(cpu: <float>\)$",
+    ):
         Topology.from_dict(_with("devices.0", {"name": "cloud0", "region": "cloud"}))
     with pytest.raises(ValueError, match=r"regions\.end has no device"):
         Topology.from_dict(_with("devices", BASE["devices"][:2]))
-    with pytest.raises(ValueError, match=r"topology\.devices must be a non-empty list"):
+    with pytest.raises(ValueError, match=r"^devices is empty; declare at least one device"):
         Topology.from_dict(_with("devices", []))
 
 
@@ -147,6 +171,80 @@ def test_load_errors_name_the_file(tmp_path: Path) -> None:
         load_topology(bad)
     with pytest.raises(ValueError, match="does not exist"):
         load_topology(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "regions: {a: {lan_mbit: fast}}\ndevices: []\n",
+            r"regions\.a\.lan_mbit: expected float, got str 'fast'; write a number$",
+        ),
+        (
+            "regions: {a: {lan_mbit: 100}}\ndevices: [{name: a0, region: a, cpus: 1}]\n",
+            r"devices\[0\]\.cpus: unknown key of Device; remove it or fix its spelling "
+            r"\(allowed: name, region, cpu\)$",
+        ),
+        (
+            "regions: {a: {lan_mbit: 100}}\n",
+            r"devices: missing required key of TopologyFile; add it \(devices: <list\[Device\]>\)$",
+        ),
+        (
+            "regions: {a: {lan_mbit: [100}}\n",
+            r"not valid YAML at line 1, column 29: expected ',' or '\]', but got '\}'",
+        ),
+    ],
+)
+def test_topology_file_errors_name_the_file_the_key_and_the_type(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(bad))}: {message}"):
+        load_topology(bad)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "- {at_s: 10, link: [cloud, edge], bandwidth_mbit: 20}\n"
+            "- {at_s: soon, link: [cloud, edge], bandwidth_mbit: 20}\n",
+            r"trace\[1\]\.at_s: expected float, got str 'soon'; write a number$",
+        ),
+        (
+            "- {at_s: 10, link: [cloud, edge], mbit: 20}\n",
+            r"trace\[0\]\.mbit: unknown key of TraceEventEntry; remove it or fix its spelling "
+            r"\(allowed: at_s, link, bandwidth_mbit\)$",
+        ),
+        (
+            "- {at_s: 10, link: [cloud, edge]}\n",
+            r"trace\[0\]\.bandwidth_mbit: missing required key of TraceEventEntry; add it "
+            r"\(bandwidth_mbit: <float>\)$",
+        ),
+        (
+            "- {at_s: 10, link: cloud, bandwidth_mbit: 20}\n",
+            r"trace\[0\]\.link: expected list\[str\]",
+        ),
+        (
+            "events: []\nloop: true\n",
+            r"trace\.loop: unknown key of TraceFile; .*\(allowed: events\)$",
+        ),
+        (
+            "just text\n",
+            r"trace: expected a list of events \{at_s, link, bandwidth_mbit\}, got str",
+        ),
+    ],
+)
+def test_trace_file_errors_name_the_file_the_key_and_the_type(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    bad = tmp_path / "trace.yaml"
+    bad.write_text(text)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(bad))}: {message}"):
+        load_trace(bad)
+    (tmp_path / "empty.yaml").write_text("")
+    assert load_trace(tmp_path / "empty.yaml") == Trace()
 
 
 def test_trace_parsing_and_validation() -> None:

@@ -103,3 +103,22 @@ def test_private_framework_names_only_in_compat() -> None:
         for match in PRIVATE.finditer(code):
             bad.append(f"{path.relative_to(PKG)}: {match.group(0)}")
     assert not bad, bad
+
+
+def test_no_private_names_imported_across_modules() -> None:
+    """A module uses another module's public names only (``_compat`` re-exports the framework's
+    private ones under public names); a package's private module (``profiler/_checks.py``) is
+    for its own package."""
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        package = ".".join([PKG.name, *path.relative_to(PKG).parent.parts])
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PKG.name):
+                bad += [
+                    f"{path.relative_to(PKG)}: {node.module}.{alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_")
+                    and not alias.name.startswith("__")
+                    and not (node.module == package and (path.parent / f"{alias.name}.py").exists())
+                ]
+    assert not bad, bad

@@ -207,10 +207,29 @@ _MISSING = object()
             -5,
             "devices[2].memory_bytes: expected a non-negative integer, got -5",
         ),
-        (("devices", 1, "host"), _MISSING, "devices[1].host: missing required field"),
-        (("num_blocks",), _MISSING, "num_blocks: missing required field"),
-        (("colour",), "blue", "colour: unknown field of ClusterProfile"),
-        (("devices", 0, "gpu"), "a100", "devices[0].gpu: unknown field of DeviceProfile"),
+        (
+            ("devices", 1, "host"),
+            _MISSING,
+            "devices[1].host: missing required key of DeviceProfile; add it (host: <str>)",
+        ),
+        (
+            ("num_blocks",),
+            _MISSING,
+            "num_blocks: missing required key of ClusterProfile; add it (num_blocks: <int>)",
+        ),
+        (
+            ("colour",),
+            "blue",
+            "colour: unknown key of ClusterProfile; remove it or fix its spelling (allowed: "
+            "devices, latency_s, bandwidth_bytes_per_s, num_blocks, model_fingerprint, "
+            "cluster_fingerprint)",
+        ),
+        (
+            ("devices", 0, "gpu"),
+            "a100",
+            "devices[0].gpu: unknown key of DeviceProfile; remove it or fix its spelling "
+            "(allowed: rank, host, kind, memory_bytes, forward_s,",
+        ),
         (
             ("bandwidth_bytes_per_s", 0, 1),
             -1.0e6,
@@ -224,8 +243,26 @@ _MISSING = object()
         (("latency_s", 2), [0.0, 0.1], "latency_s[2]: expected 3 entries (one per device), got 2"),
         (("devices", 1, "rank"), 0, "devices[1].rank: expected 1"),
         (("devices", 0, "rank"), -1, "devices[0].rank: expected a non-negative integer, got -1"),
-        (("devices", 0, "memory_bytes"), True, "devices[0].memory_bytes: expected a non-negative"),
-        (("devices", 0, "memory_bytes"), 1.5, "devices[0].memory_bytes: expected a non-negative"),
+        (
+            ("devices", 0, "memory_bytes"),
+            True,
+            "devices[0].memory_bytes: expected int, got bool True; write an integer",
+        ),
+        (
+            ("devices", 0, "memory_bytes"),
+            1.5,
+            "devices[0].memory_bytes: expected int, got float 1.5; write an integer",
+        ),
+        (
+            ("devices", 0, "memory_bytes"),
+            "8G",
+            "devices[0].memory_bytes: expected int, got str '8G'; write an integer",
+        ),
+        (
+            ("devices", 0, "memory_bytes"),
+            "8",
+            "devices[0].memory_bytes: expected int, got str '8'; write the number without quotes",
+        ),
         (("devices", 1, "forward_s", 2), -0.1, "devices[1].forward_s[2]: expected a non-negative"),
         (
             ("devices", 1, "backward_weight_s"),
@@ -240,12 +277,22 @@ _MISSING = object()
         (("devices", 2, "host"), "", "devices[2].host: expected a non-empty string"),
         (("devices", 0, "reference_microbatch_size"), 0, "devices[0].reference_microbatch_size"),
         (("devices",), [], "devices: expected at least one device"),
-        (("devices", 1), "not a device", "devices[1]: expected a mapping of DeviceProfile fields"),
+        (
+            ("devices", 1),
+            "not a device",
+            "devices[1]: expected a mapping of DeviceProfile keys (rank, host, kind,",
+        ),
+        (("devices",), {"a": 1}, "devices: expected list[DeviceProfile], got dict {'a': 1}"),
         (("num_blocks",), 0, "num_blocks: expected a positive number of blocks, got 0"),
         (("devices", 0, "fixed_s"), [0.01], "devices[0].fixed_s: expected 3 entries"),
         (("devices", 0, "fixed_s"), [0.01, 1.0, 0.0], "devices[0].fixed_s[1]: 1.0 s is more"),
         (("devices", 0, "fixed_s"), [0.0, -0.01, 0.0], "devices[0].fixed_s[1]: expected a non-"),
-        (("model_fingerprint",), 123, "model_fingerprint: expected a non-empty string, got 123"),
+        (
+            ("model_fingerprint",),
+            123,
+            "model_fingerprint: expected str, got int 123; quote it if it is text",
+        ),
+        (("model_fingerprint",), " ", "model_fingerprint: expected a non-empty string, got ' '"),
         (
             ("devices", 0, "optimizer_s_per_byte"),
             -1e-9,
@@ -265,6 +312,50 @@ def test_from_dict_errors_name_the_field(path: tuple[Any, ...], value: Any, mess
     with pytest.raises(ValueError) as info:
         ClusterProfile.from_dict(data)
     assert str(info.value).startswith(message), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda text: text.replace("host: host-1", "host: 1e5"),
+            "devices[1].host: expected str, got float 100000.0; quote it if it is text",
+        ),
+        (
+            lambda text: text.replace("num_blocks: 3", "num_blocks: three"),
+            "num_blocks: expected int, got str 'three'; write an integer",
+        ),
+        (
+            lambda text: text.replace("num_blocks: 3", "num_blocks: 3\nnum_block: 3"),
+            "num_block: unknown key of ClusterProfile; remove it or fix its spelling",
+        ),
+        (
+            lambda text: text.replace("  kind: edge\n", "", 1),
+            "devices[0].kind: missing required key of DeviceProfile; add it (kind: <str>)",
+        ),
+    ],
+)
+def test_yaml_errors_name_the_file_the_key_and_the_type(
+    tmp_path: Path, edit: Any, message: str
+) -> None:
+    path = tmp_path / "p.yaml"
+    _profile(3, 3).to_yaml(path)
+    path.write_text(edit(path.read_text()))
+    with pytest.raises(ValueError) as info:
+        ClusterProfile.from_yaml(path)
+    assert str(info.value).startswith(f"{path}: {message}"), str(info.value)
+
+
+def test_json_errors_name_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    data = _profile(2, 1).to_dict()
+    data["devices"][1]["rank"] = "1"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"p\.json: devices\[1\]\.rank: expected int, got str '1'"):
+        ClusterProfile.from_json(path)
+    path.write_text("{")
+    with pytest.raises(ValueError, match=r"p\.json: not valid JSON"):
+        ClusterProfile.from_json(path)
 
 
 def test_wrong_matrix_size_is_reported_with_expected_shape() -> None:

@@ -24,13 +24,13 @@ from torch import nn
 
 from lightning_deepcee.runtime.measure.passes import (
     LossFn,
-    _RestoredState,
-    _time_pass,
+    RestoredState,
     block_fastest,
     block_inputs,
     parameter_bytes,
     slice_rows,
     sync_device,
+    time_pass,
 )
 
 __all__ = ["BlockTimings", "measure_blocks"]
@@ -91,7 +91,7 @@ def measure_blocks(
     Block ``i`` gets the output of block ``i-1`` (block 0 gets ``sample_input``). Each block runs
     ``warmup`` untimed then ``repeats`` timed iterations, each a pass over all blocks in a
     pipeline stage's order (every F, then every B last block first, then every W; see
-    :func:`_time_pass`); the fastest is kept (the burst speed, see below). Backward starts
+    :func:`time_pass`); the fastest is kept (the burst speed, see below). Backward starts
     from a random gradient of the block output's shape, except for the last block when
     ``loss_fn`` is given: then its forward includes
     ``loss_fn(output, sample_batch)`` and its backward starts from that loss, as in the last
@@ -188,7 +188,7 @@ def _measure_round(
     device = sample_input.device
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     size = len(sample_input)
-    with _RestoredState(blocks), torch.random.fork_rng(devices=rng_devices):
+    with RestoredState(blocks), torch.random.fork_rng(devices=rng_devices):
         inputs = block_inputs(blocks, sample_input)
         fastest = block_fastest(blocks, inputs, loss_fn, sample_batch, repeats, warmup)
         small = max(2, size // 4)
@@ -215,7 +215,7 @@ def _measure_round(
         if sustain_s > 0 and burst > 0:
             passes, start = 0, time.perf_counter()
             while passes < 2 or time.perf_counter() - start < sustain_s:
-                _time_pass(blocks, inputs, loss_fn, sample_batch)
+                time_pass(blocks, inputs, loss_fn, sample_batch)
                 passes += 1
             factor = max(1.0, (time.perf_counter() - start) / passes / burst)
         activation = [

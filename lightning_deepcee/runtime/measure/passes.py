@@ -1,6 +1,6 @@
 """One timed pass over all blocks in a pipeline stage's order, and what it needs.
 
-:func:`_time_pass` times every block's forward, input gradient (``B``) and weight gradient
+:func:`time_pass` times every block's forward, input gradient (``B``) and weight gradient
 (``W``) as a stage runs them; :func:`block_fastest` keeps each figure's fastest over repeated
 passes. The helpers build the blocks' inputs and leave the model as it was found.
 
@@ -40,11 +40,11 @@ def block_fastest(
     consecutive calls of one block fall into the same throttled stretch, which can give some
     blocks their burst time and others a throttled one and skew the partition. Sustained speed
     is measured separately (``sustained_factor``). Each pass runs in a stage's order
-    (:func:`_time_pass`).
+    (:func:`time_pass`).
     """
     times: list[list[tuple[float, float, float]]] = [[] for _ in blocks]
     for repeat in range(warmup + repeats):
-        timings = _time_pass(blocks, inputs, loss_fn, sample_batch)
+        timings = time_pass(blocks, inputs, loss_fn, sample_batch)
         if repeat >= warmup:
             for index, timing in enumerate(timings):
                 times[index].append(timing)
@@ -65,7 +65,7 @@ def slice_rows(batch: Any, size: int, rows: int) -> Any:
     return tree_map(cut, batch)
 
 
-class _RestoredState:
+class RestoredState:
     """Context manager: put back every parameter's ``.grad`` and every buffer's value."""
 
     def __init__(self, blocks: Sequence[nn.Module]) -> None:
@@ -128,7 +128,7 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_pass(
+def time_pass(
     blocks: Sequence[nn.Module],
     inputs: Sequence[torch.Tensor],
     loss_fn: LossFn | None,

@@ -1,0 +1,212 @@
+"""Candidates of one plan search: how a layout is scored, memoised and refined.
+
+A candidate is a *layout* (the devices of each stage, in pipeline order, and each stage's block
+range) with a schedule kind and a micro-batch count. :class:`SearchContext` holds what one
+search evaluates candidates against (an :class:`~lightning_deepcee.planner.evaluator.Evaluator`,
+the global batch, the (schedule, micro-batch count) pairs, whether memory is checked) and
+memoises per search: scored candidates, per-stage range costs and compute-balanced partitions.
+It also owns the local improvement of a layout's block boundaries (:meth:`SearchContext.refine`).
+
+Pure: numpy and the standard library (no torch, no lightning).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeGuard
+
+import numpy as np
+import numpy.typing as npt
+
+from lightning_deepcee.planner.evaluator import Evaluator
+from lightning_deepcee.planner.partition import Ranges, min_max_split
+from lightning_deepcee.planner.plan import StagePlan
+from lightning_deepcee.planner.prediction import Prediction
+from lightning_deepcee.schedule.generators import StageSchedule
+
+__all__ = ["Candidate", "SearchContext", "Structure", "improves"]
+
+Structure = tuple[tuple[int, ...], ...]
+"""Devices of each stage, in pipeline order."""
+Array = npt.NDArray[np.float64]
+
+_EXACT_PARTITIONS = 64
+"""Structures with at most this many block partitions have all of them tried."""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A scored candidate: its layout, schedule, micro-batch count, stages and prediction."""
+
+    step_time_s: float
+    structure: Structure
+    ranges: Ranges
+    schedule: str
+    num_microbatches: int
+    stages: tuple[StagePlan, ...]
+    prediction: Prediction
+    stage_schedule: StageSchedule | None = None
+    """``"compact"`` only: the fitted actions."""
+
+
+def improves(trial: Candidate | None, best: Candidate) -> TypeGuard[Candidate]:
+    """Whether ``trial`` exists and is faster than ``best`` by more than rounding (1e-9 relative;
+    ties keep the candidate found first, so the search is deterministic)."""
+    return trial is not None and trial.step_time_s < best.step_time_s * (1 - 1e-9)
+
+
+class SearchContext:
+    """Everything one search evaluates candidates against, with memoisation."""
+
+    def __init__(
+        self,
+        evaluator: Evaluator,
+        *,
+        global_batch_size: int,
+        schedules: Sequence[str],
+        microbatch_counts: Sequence[int],
+        memory_check: bool,
+    ) -> None:
+        self.evaluator = evaluator
+        self.profile = evaluator.profile
+        self.global_batch_size = global_batch_size
+        self.schedules = tuple(schedules)
+        self.microbatch_counts = tuple(microbatch_counts)
+        self.memory_check = memory_check
+        self._evaluated: dict[tuple[Structure, Ranges, str, int], Candidate | None] = {}
+        self._range_cost: dict[tuple[int, ...], Array] = {}
+        self._partition: dict[Structure, Ranges | None] = {}
+
+    @property
+    def pairs(self) -> list[tuple[str, int]]:
+        """Every (schedule kind, micro-batch count) to try, counts outermost."""
+        return [(k, m) for m in self.microbatch_counts for k in self.schedules]
+
+    def evaluate(
+        self, structure: Structure, ranges: Ranges, schedule: str, m: int
+    ) -> Candidate | None:
+        """The layout scored under ``schedule`` with ``m`` micro-batches (memoised); ``None``
+        when it cannot fit memory."""
+        key = (structure, ranges, schedule, m)
+        if key not in self._evaluated:
+            self._evaluated[key] = self._evaluate(structure, ranges, schedule, m)
+        return self._evaluated[key]
+
+    def _evaluate(
+        self, structure: Structure, ranges: Ranges, schedule: str, m: int
+    ) -> Candidate | None:
+        evaluator = self.evaluator
+        b = self.global_batch_size / m
+        in_flight = evaluator.in_flight_microbatches(schedule, len(structure), m)
+        stages = []
+        for s, (ranks, block_range) in enumerate(zip(structure, ranges, strict=True)):
+            shares = evaluator.speed_shares(
+                ranks,
+                block_range,
+                microbatch_size=b,
+                in_flight=in_flight[s],
+                bounded_by_memory=self.memory_check,
+            )
+            if shares is None:
+                return None
+            stages.append(StagePlan(block_range=block_range, ranks=ranks, batch_shares=shares))
+        prediction = evaluator.predict(stages, schedule, m, self.global_batch_size, breakdown=False)
+        if self.memory_check and not prediction.fits_memory:
+            return None
+        return Candidate(
+            prediction.step_time_s, structure, ranges, schedule, m, tuple(stages), prediction
+        )
+
+    def best_over_pairs(self, structure: Structure, ranges: Ranges) -> Candidate | None:
+        """The layout's fastest (schedule, micro-batch count); ``None`` when none fits."""
+        best: Candidate | None = None
+        for schedule, m in self.pairs:
+            scored = self.evaluate(structure, ranges, schedule, m)
+            if scored is not None and (best is None or scored.step_time_s < best.step_time_s):
+                best = scored
+        return best
+
+    def range_cost(self, ranks: tuple[int, ...]) -> Array:
+        """Per-sample seconds of a stage on ``ranks`` for each block range ``[i, j)``.
+
+        With speed-proportional shares the stage takes ``1 / sum_d (1 / T_d)`` per sample; a range
+        whose parameter state does not fit every device is infinite.
+        """
+        if ranks not in self._range_cost:
+            arrays = self.evaluator.arrays
+            total = arrays.sample_s_prefix[np.asarray(ranks)]
+            with np.errstate(divide="ignore"):
+                per_device = total[:, None, :] - total[:, :, None]
+                speed = np.where(per_device > 0, 1.0 / per_device, np.inf).sum(axis=0)
+                cost = np.where(speed > 0, 1.0 / speed, np.inf)
+            if self.memory_check:
+                params = arrays.parameter_prefix
+                state = self.evaluator.config.state_copies * (params[None, :] - params[:, None])
+                cost = np.where(state > arrays.memory[list(ranks)].min(), np.inf, cost)
+            self._range_cost[ranks] = cost
+        return self._range_cost[ranks]
+
+    def partition(self, structure: Structure) -> Ranges | None:
+        """The compute-balanced block ranges of ``structure`` (memoised); ``None`` when no
+        split fits memory or there are more stages than blocks."""
+        if structure not in self._partition:
+            if len(structure) > self.profile.num_blocks:
+                self._partition[structure] = None
+            else:
+                costs = [self.range_cost(ranks) for ranks in structure]
+                self._partition[structure] = min_max_split(costs)
+        return self._partition[structure]
+
+    def refine(self, scored: Candidate, max_iter: int) -> Candidate:
+        """Improve the block boundaries under the full cost model, then re-pick (schedule, m).
+
+        The compute-balanced partition ignores transfers, which depend on where the cuts fall.
+        When a structure has at most ``_EXACT_PARTITIONS`` partitions they are all tried, each
+        with every (schedule, micro-batch count) pair (the best cuts depend on the pair: fewer,
+        larger micro-batches favour other cuts than many small ones); otherwise up to
+        ``max_iter`` rounds of hill climbing move one boundary, or two adjacent boundaries
+        together (shifting a whole stage), by one block, keeping the best move.
+        """
+        current = scored
+        p, n = len(current.ranges), self.profile.num_blocks
+        if math.comb(n - 1, p - 1) <= _EXACT_PARTITIONS:
+            for cuts in itertools.combinations(range(1, n), p - 1):
+                bounds = (0, *cuts, n)
+                ranges = tuple(itertools.pairwise(bounds))
+                trial = self.best_over_pairs(current.structure, ranges)
+                if improves(trial, current):
+                    current = trial
+        else:
+            for _ in range(max_iter):
+                best = current
+                for ranges in _neighbours(current.ranges):
+                    trial = self.evaluate(
+                        current.structure, ranges, current.schedule, current.num_microbatches
+                    )
+                    if improves(trial, best):
+                        best = trial
+                if best is current:
+                    break
+                current = best
+        again = self.best_over_pairs(current.structure, current.ranges)
+        return again if again is not None and again.step_time_s < current.step_time_s else current
+
+
+def _neighbours(ranges: Ranges) -> list[Ranges]:
+    """Partitions one move away: one boundary, or two adjacent ones together, by +-1 block."""
+    cuts = [start for start, _ in ranges[1:]]
+    n = ranges[-1][1]
+    out = []
+    for first in range(len(cuts)):
+        for last in range(first, min(first + 2, len(cuts))):
+            for delta in (-1, 1):
+                moved = list(cuts)
+                for k in range(first, last + 1):
+                    moved[k] += delta
+                bounds = (0, *moved, n)
+                if all(a < b for a, b in itertools.pairwise(bounds)):
+                    out.append(tuple(itertools.pairwise(bounds)))
+    return out
