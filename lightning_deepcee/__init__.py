@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from lightning_deepcee.adapter.callback import DynamicEnvironmentAdapter
     from lightning_deepcee.callbacks import PipelineThroughputMonitor
     from lightning_deepcee.checkpoint import consolidate_checkpoint
-    from lightning_deepcee.runtime.liveness import DeviceLostError
+    from lightning_deepcee.runtime.liveness import DeviceLostError, RankFailedError
     from lightning_deepcee.runtime.stage import PipelineSpec
     from lightning_deepcee.strategy import DeepCEEStrategy
 
@@ -27,6 +27,7 @@ __all__ = [
     "DynamicEnvironmentAdapter",
     "PipelineSpec",
     "PipelineThroughputMonitor",
+    "RankFailedError",
     "consolidate_checkpoint",
 ]
 __version__ = "0.1.0"
@@ -37,6 +38,7 @@ _WHERE = {
     "DynamicEnvironmentAdapter": "lightning_deepcee.adapter.callback",
     "PipelineSpec": "lightning_deepcee.runtime.stage",
     "PipelineThroughputMonitor": "lightning_deepcee.callbacks",
+    "RankFailedError": "lightning_deepcee.runtime.liveness",
     "consolidate_checkpoint": "lightning_deepcee.checkpoint",
 }
 

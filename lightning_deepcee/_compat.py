@@ -20,6 +20,10 @@ from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors
 # public pipelining API runs them only inside its schedules, which cannot carry per-message shapes.
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+# The base class of every batch-statistics normalisation (BatchNorm1d/2d/3d, their lazy forms,
+# SyncBatchNorm): the one type that says "normalises over the batch dimension".
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
+
 # Map over nested containers of tensors (block inputs and outputs of any structure).
 from torch.utils._pytree import tree_map
 
@@ -29,6 +33,7 @@ PATH = str | Path
 
 __all__ = [
     "PATH",
+    "BatchNormBase",
     "default_process_group",
     "default_store",
     "fit_dataloader",

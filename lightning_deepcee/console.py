@@ -1,10 +1,81 @@
-"""Text the strategy prints for people: the cluster profile table."""
+"""What the strategy tells people: the cluster table, and warnings printed once per job.
+
+Lightning layer: the warnings go through Lightning's rank-zero helpers.
+"""
 
 from __future__ import annotations
 
-from lightning_deepcee.profiler import ClusterProfile, DeviceGroups
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
-__all__ = ["format_cluster"]
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_deepcee.profiler import ClusterProfile, DeviceGroups
+from lightning_deepcee.runtime.stage import PipelineSpec
+
+__all__ = [
+    "format_cluster",
+    "summarise_whole_model",
+    "warn_once_per_job",
+    "warn_unrun_steps",
+]
+
+
+def warn_once_per_job(messages: list[str], world_size: int) -> None:
+    """Warn on rank 0 once per distinct message, naming the ranks that raised it (every rank
+    profiling the same cache would otherwise print the same warning). Collective."""
+    gathered: list[list[str] | None] = [None] * world_size
+    dist.all_gather_object(gathered, messages)
+    ranks_of: dict[str, list[int]] = {}
+    for rank, part in enumerate(gathered):
+        for message in dict.fromkeys(part or []):
+            ranks_of.setdefault(message, []).append(rank)
+    for message, ranks in ranks_of.items():
+        where = "every rank" if len(ranks) == world_size else f"ranks {ranks}"
+        rank_zero_warn(f"{message} ({where})", category=UserWarning)
+
+
+def warn_unrun_steps(module: pl.LightningModule, spec: PipelineSpec) -> None:
+    """Say that the module's own steps do not run (what they log would be silently lost)."""
+    if spec.metrics_fn is not None:
+        return
+    steps = ("training_step", "validation_step", "test_step")
+    name = type(module).__name__
+    own = [f"{name}.{step}" for step in steps if is_overridden(step, module)]
+    if own:
+        rank_zero_warn(
+            f"DeepCEEStrategy runs {name}'s blocks as a pipeline and does not call "
+            f"{', '.join(own)}: what they self.log is not logged. The strategy logs "
+            "train_loss, val_loss and test_loss; return the module's other metrics as "
+            "means over the micro-batch from PipelineSpec(metrics_fn=...) "
+            "(docs/model_contract.md).",
+            category=UserWarning,
+        )
+
+
+def summarise_whole_model(
+    trainer: pl.Trainer, whole_model: Callable[[], AbstractContextManager[None]]
+) -> None:
+    """Make Lightning's model summary count the whole model, not this rank's stage: its
+    ``on_fit_start`` runs inside ``whole_model()`` (every block put back)."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if not isinstance(callback, ModelSummary) or getattr(callback, "_deepcee", False):
+            continue
+        original = callback.on_fit_start
+
+        def on_fit_start(
+            trainer: pl.Trainer, pl_module: pl.LightningModule, _original: Any = original
+        ) -> None:
+            with whole_model():
+                _original(trainer, pl_module)
+
+        setattr(callback, "on_fit_start", on_fit_start)  # noqa: B010
+        setattr(callback, "_deepcee", True)  # noqa: B010
 
 
 def format_cluster(profile: ClusterProfile, groups: DeviceGroups) -> str:

@@ -4,16 +4,18 @@
 (every layout is one: planned, saved or manual), answers where this rank sits in it (stage,
 replica, placement), builds this rank's part with :meth:`~PipelineLayoutStrategy._build` (the
 one path used by setup, re-plan and resume) and switches plans between two steps
-(:meth:`~PipelineLayoutStrategy.apply_plan`). :class:`~lightning_deepcee.strategy.DeepCEEStrategy`
-adds setup, the steps and checkpoints on top.
+(:meth:`~PipelineLayoutStrategy.apply_plan`), and saves and loads the sharded checkpoints of
+its layout. :class:`~lightning_deepcee.strategy.DeepCEEStrategy` adds setup and the steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,14 +28,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
-from lightning_deepcee._compat import optimizers_to_device
-from lightning_deepcee.checkpoint import repartition
+from lightning_deepcee._compat import PATH, optimizers_to_device
+from lightning_deepcee.checkpoint import (
+    commit_partial,
+    load_sharded,
+    partial_dir,
+    repartition,
+    save_sharded,
+)
 from lightning_deepcee.planner import Plan
 from lightning_deepcee.precision import wrap_precision
 from lightning_deepcee.profiler import ClusterProfile
 from lightning_deepcee.runtime import PipelineExecutor, PipelineSpec, Stage, build_stage
 from lightning_deepcee.runtime.layout import (
     ManualLayout,
+    batch_dependent_modules,
     build_executors,
     describe,
     layout_line,
@@ -65,11 +74,14 @@ class PipelineLayoutStrategy(DDPStrategy):
     _global_batch_size: int
     _executor: PipelineExecutor | None
     _eval_executor: PipelineExecutor | None
+    _predict_executor: PipelineExecutor | None
     _train_schedule: dict[int, list[Any]]
     _stage_group: Any
     _pending_grads: list[torch.Tensor | None] | None
     _block_names: list[str]
     _split_module: Any
+    _synced_buffers: list[torch.Tensor]
+    """Running statistics of this stage's BatchNorm modules, kept equal across its devices."""
 
     # ----------------------------------------------------------------------------- layout
     @property
@@ -164,6 +176,13 @@ class PipelineLayoutStrategy(DDPStrategy):
             dist.destroy_process_group(old_group)
         self.stage = build_stage(module, spec, self.ranges, self.stage_index)
         self._split_module = module
+        start, end = self.ranges[self.stage_index]
+        self._synced_buffers = [
+            buffer
+            for found in batch_dependent_modules(spec.blocks)
+            if start <= found.block_index < end
+            for buffer in found.module.buffers(recurse=False)
+        ]
         self._park_other_blocks()
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -214,6 +233,7 @@ class PipelineLayoutStrategy(DDPStrategy):
             receive_ahead=self.receive_ahead,
         )
         self._executor, self._eval_executor = built.train, built.evaluation
+        self._predict_executor = built.prediction
         self._train_schedule = built.train_schedule
 
     def set_num_microbatches(self, num_microbatches: int) -> None:
@@ -400,6 +420,21 @@ class PipelineLayoutStrategy(DDPStrategy):
         """This rank's transfers of the last training step (peer, bytes, seconds, direction)."""
         return [] if self._executor is None else list(self._executor.transport.records)
 
+    def _gathered_output(self, mine: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+        """The last stage's output for this replica's whole batch, on every rank."""
+        assert self.plan is not None
+        plan, replica = self.plan, self.replica_index
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, [(i, row, t.cpu()) for i, row, t in mine])
+        pieces = [
+            piece
+            for rank, part in enumerate(parts)
+            if plan.num_replicas == 1 or plan.replica_of(rank) == replica
+            for piece in part or []
+        ]
+        pieces.sort(key=lambda piece: (piece[0], piece[1]))
+        return torch.cat([t for _, _, t in pieces]).to(self.root_device)
+
     def describe(self) -> str:
         """The partition and schedule, as printed at setup."""
         assert self.spec is not None and self.plan is not None
@@ -413,6 +448,65 @@ class PipelineLayoutStrategy(DDPStrategy):
         return [
             [names[id(p)] for g in opt.param_groups for p in g["params"]] for opt in self.optimizers
         ]
+
+    # ------------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError("DeepCEEStrategy.save_checkpoint does not take storage_options.")
+        layout = {
+            "num_stages": self.num_stages,
+            "ranges": self.ranges,
+            "schedule": self.schedule_kind,
+            "num_microbatches": self.num_microbatches,
+        }
+        target = Path(filepath)
+        partial = partial_dir(target)
+        if self.is_global_zero and partial.exists():
+            shutil.rmtree(partial)  # a save that crashed earlier
+        self.barrier("DeepCEEStrategy.save_checkpoint:clean")
+        checkpoint["optimizer_param_names"] = self._optimizer_param_names()
+        save_sharded(
+            checkpoint,
+            partial,
+            stage_index=self.stage_index,
+            write_shard=self._writes_shard,
+            write_meta=self.is_global_zero,
+            layout=layout,
+        )
+        # Swap the finished save in only once every rank has written its part.
+        self.barrier("DeepCEEStrategy.save_checkpoint:written")
+        if self.is_global_zero:
+            commit_partial(target)
+        self.barrier("DeepCEEStrategy.save_checkpoint")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: PATH, weights_only: bool | None = None) -> dict:
+        checkpoint = load_sharded(
+            Path(checkpoint_path), stage_index=self.stage_index, expected_ranges=self.ranges
+        )
+        shards = checkpoint.pop("deepcee_shards", None)
+        if shards is not None:
+            # The cluster or plan changed: rebuild this rank's part from every saved stage.
+            checkpoint.update(self._repartitioned(shards))
+            rank_zero_info(
+                f"DeepCEE: re-partitioned checkpoint {checkpoint_path} from blocks "
+                f"{checkpoint['deepcee']['ranges']} onto {self.ranges}."
+            )
+        checkpoint.pop("optimizer_param_names", None)
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: PATH) -> None:
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)
 
 
 def _tensor_bytes(obj: Any) -> int:

@@ -18,21 +18,19 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import shutil
 import socket
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -41,16 +39,14 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from typing_extensions import override
 
 from lightning_deepcee._compat import (
-    PATH,
     fit_dataloader,
 )
-from lightning_deepcee.checkpoint import (
-    commit_partial,
-    load_sharded,
-    partial_dir,
-    save_sharded,
+from lightning_deepcee.console import (
+    format_cluster,
+    summarise_whole_model,
+    warn_once_per_job,
+    warn_unrun_steps,
 )
-from lightning_deepcee.console import format_cluster
 from lightning_deepcee.layout_strategy import PipelineLayoutStrategy
 from lightning_deepcee.planner import Plan, plan_search
 from lightning_deepcee.profiler import ClusterProfile, DeviceGroups, group_devices
@@ -66,16 +62,19 @@ from lightning_deepcee.runtime import (
 from lightning_deepcee.runtime.executor import StepStats
 from lightning_deepcee.runtime.layout import (
     ManualLayout,
+    batch_dependent_modules,
+    batch_statistics_warning,
+    broadcast_buffers,
+    call_with_output,
     manual_plan,
     sum_gradients,
 )
 from lightning_deepcee.runtime.liveness import (
-    DeviceLostError,
     Heartbeat,
     default_store,
-    find_lost_ranks,
+    explain_failure,
     is_communication_failure,
-    lost_message,
+    report_failure,
 )
 from lightning_deepcee.runtime.measure import model_fingerprint, profile_cluster, profile_or_load
 from lightning_deepcee.runtime.transport import all_reduce_
@@ -122,26 +121,24 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         profile_budget_s: the network measurement fails with an error naming the pair it was
             measuring when it takes longer than this.
         profile_rounds: the block timings are measured this many times in a row and every
-            figure taken at its median (one reading under a CPU quota moved 3-20% between
-            rounds on the lab); 1 measures once, for a quicker setup.
+            figure taken at its median (a single reading under a CPU quota is noisy); 1
+            measures once, for a quicker setup.
         timeout_s: seconds a collective or transfer may block before the process group fails;
             a dead device or link therefore stops every rank within about this long (plus a
             3 s look at the heartbeats), with a ``DeviceLostError`` naming the lost rank, its
-            stage and host (Lightning's default timeout is 30 minutes).
+            stage and host, or a ``RankFailedError`` with the error of the rank that failed
+            (Lightning's default timeout is 30 minutes).
         verbose: print the partition and schedule on rank 0 at setup.
         receive_ahead: on gloo, post every receive of a step when it starts, into payload
             slots sized by the last step, so senders never wait for the receiver to reach its
             receive (gloo moves a message only once it is posted). Results are identical
-            either way; on the lab's cloud-edge-end cluster it raised throughput by about a
-            quarter (docs/architecture.md). ``False`` posts each receive when the schedule
-            reaches it. Payloads received ahead are still timed on the wire (the
-            DynamicEnvironmentAdapter reads those times).
+            either way (docs/architecture.md). ``False`` posts each receive when the schedule
+            reaches it.
         freeze_gc: when training starts, run one full garbage collection and freeze what
             survives (``gc.freeze()``), so later collections skip the model, the data and
-            the framework set up before training; unfrozen when training ends. A full
-            collection of a trainer's objects took 0.4-0.7 s on the lab's cloud devices (at
-            half a core), and in a pipeline one rank's pause stalls every stage. ``False``
-            leaves the garbage collector alone.
+            the framework set up before training (in a pipeline one rank's collection pause
+            stalls every stage); unfrozen when training ends. ``False`` leaves the garbage
+            collector alone.
     """
 
     strategy_name = "deepcee"
@@ -217,6 +214,7 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         self.stage: Stage | None = None
         self._executor: PipelineExecutor | None = None
         self._eval_executor: PipelineExecutor | None = None
+        self._predict_executor: PipelineExecutor | None = None
         self._train_schedule: dict[int, list[Any]] = {}
         self._stage_group: Any = None
         self.plan: Plan | None = None
@@ -233,6 +231,8 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         blocks that ``build_stage`` replaced by ``nn.Identity``."""
         self._split_module: Any = None
         """The module whose blocks ``build_stage`` split (a second setup of it restores them)."""
+        self._synced_buffers: list[torch.Tensor] = []
+        self._metric_name_list: list[str] | None = None
 
     # ------------------------------------------------------------------------------ setup
     @override
@@ -288,31 +288,24 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
             self._profile_cluster(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._build(self._initial_plan(len(spec.blocks), fitting), trainer)
-        self._summarise_whole_model(trainer)
+        summarise_whole_model(trainer, self.whole_model)
+        assert self.plan is not None
+        batch_warning = batch_statistics_warning(
+            batch_dependent_modules(spec.blocks),
+            self.plan,
+            self.num_microbatches,
+            type(module).__name__,
+        )
+        if batch_warning is not None:
+            rank_zero_warn(batch_warning, category=UserWarning)
+        warn_unrun_steps(module, spec)
         # train/val/test_loss are all-reduced before they are logged (every rank holds the same
         # value), so Lightning's advice to sync them on epoch level does not apply.
         warnings.filterwarnings(
             "ignore",
-            message=r"It is recommended to use `self\.log\('(train|val|test)_loss'",
+            message=r"It is recommended to use `self\.log\('(train|val|test)_",
             category=PossibleUserWarning,
         )
-
-    def _summarise_whole_model(self, trainer: pl.Trainer) -> None:
-        """Make Lightning's model summary count the whole model, not this rank's stage: its
-        ``on_fit_start`` runs with every block put back (:meth:`whole_model`)."""
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if not isinstance(callback, ModelSummary) or getattr(callback, "_deepcee", False):
-                continue
-            original = callback.on_fit_start
-
-            def on_fit_start(
-                trainer: pl.Trainer, pl_module: pl.LightningModule, _original: Any = original
-            ) -> None:
-                with self.whole_model():
-                    _original(trainer, pl_module)
-
-            setattr(callback, "on_fit_start", on_fit_start)  # noqa: B010
-            setattr(callback, "_deepcee", True)  # noqa: B010
 
     def _profile_cluster(self, trainer: pl.Trainer) -> None:
         """Measure devices and links on the first training micro-batch (all ranks)."""
@@ -336,7 +329,7 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
             else:
                 profile = profile_cluster(blocks, sample, **options)
         seconds = time.perf_counter() - began
-        self._warn_once_per_job([str(w.message) for w in caught])
+        warn_once_per_job([str(w.message) for w in caught], self.world_size)
         self.cluster_profile = profile
         self.device_groups = group_devices(profile)
         rank_zero_info(format_cluster(profile, self.device_groups))
@@ -345,19 +338,6 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         metrics["deepcee/profile_s"] = seconds
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=0)
-
-    def _warn_once_per_job(self, messages: list[str]) -> None:
-        """Warn on rank 0 once per distinct message, naming the ranks that raised it (every rank
-        profiling the same cache would otherwise print the same warning)."""
-        gathered: list[list[str] | None] = [None] * self.world_size
-        dist.all_gather_object(gathered, messages)
-        ranks_of: dict[str, list[int]] = {}
-        for rank, part in enumerate(gathered):
-            for message in dict.fromkeys(part or []):
-                ranks_of.setdefault(message, []).append(rank)
-        for message, ranks in ranks_of.items():
-            where = "every rank" if len(ranks) == self.world_size else f"ranks {ranks}"
-            rank_zero_warn(f"{message} ({where})", category=UserWarning)
 
     def _initial_plan(self, num_blocks: int, fitting: bool) -> Plan:
         """The layout setup builds: a saved plan, the search's plan, or the manual layout's.
@@ -373,7 +353,10 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
             return manual_plan(
                 self._manual,
                 world_size=self.world_size,
-                block_weights=[sum(p.numel() for p in b.parameters()) for b in self.spec.blocks],
+                block_weights=[
+                    sum(p.numel() for p in b.parameters() if p.requires_grad)
+                    for b in self.spec.blocks
+                ],
                 model_fingerprint=fingerprint,
                 cluster_fingerprint=cluster or "",
                 global_batch_size=self._global_batch_size,
@@ -399,7 +382,13 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         return plan
 
     # ----------------------------------------------------------------------------- steps
-    def _run(self, executor: PipelineExecutor, batch: Any) -> torch.Tensor:
+    def _run(self, executor: PipelineExecutor, batch: Any, prefix: str) -> torch.Tensor:
+        """Run one step of ``executor``; log and return the whole batch's loss on every rank.
+
+        The loss and the module's ``metrics_fn`` metrics travel in one all-reduce (each rank
+        holds its rows' weighted share); every rank logs them as ``<prefix>_loss`` and
+        ``<prefix>_<name>``, so whichever rank writes the logs has them.
+        """
         total = batch_size_of(batch)
         micro = split_batch(batch, split_sizes(total, self.num_microbatches))
         # Each rank weights its rows by rows / (samples of the step over all replicas), so the
@@ -409,15 +398,34 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
             total * self.num_replicas,
             forward_context=self.precision_plugin.forward_context,
         )
-        value = torch.zeros((), dtype=torch.float32, device=self.root_device)
+        names = self._metric_names(executor)
+        shares = [executor.last_metrics.get(name, 0.0) for name in names]
+        figures = torch.tensor([0.0, *shares], dtype=torch.float64, device=self.root_device)
         if loss is not None:
-            value = value + loss.detach().float()
+            figures[0] = loss.detach().double()
         # Every rank returns the real loss: the last-stage devices each contribute their rows.
-        all_reduce_(value)
+        all_reduce_(figures)
         self.last_step_samples = total * self.num_replicas
         tokens_fn = self.spec.tokens_fn if self.spec is not None else None
         self.last_step_tokens = tokens_fn(batch) * self.num_replicas if tokens_fn else None
+        module = self.lightning_module
+        assert module is not None
+        training = prefix == "train"
+        value = figures[0].float()
+        module.log(f"{prefix}_loss", value, prog_bar=True, on_step=training, on_epoch=True)
+        for name, metric in zip(names, figures[1:].float(), strict=True):
+            module.log(f"{prefix}_{name}", metric, on_step=training, on_epoch=True)
         return value
+
+    def _metric_names(self, executor: PipelineExecutor) -> list[str]:
+        """The names ``metrics_fn`` returns, agreed once by every rank (only last-stage ranks
+        see them; the all-reduce needs the same list everywhere)."""
+        if self._metric_name_list is None:
+            mine = sorted(executor.last_metrics)
+            gathered: list[list[str] | None] = [None] * self.world_size
+            dist.all_gather_object(gathered, mine)
+            self._metric_name_list = sorted({n for part in gathered for n in part or []})
+        return self._metric_name_list
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -425,28 +433,29 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         module = self.lightning_module
         assert module is not None
         params = self.stage.parameters()
+        # With accumulate_grad_batches > 1 the parameters hold the earlier batches' sum: set it
+        # aside so the schedule's gradients are this batch's alone, and put it back below.
+        held = [p.grad for p in params]
         for p in params:
             p.grad = None
         start = time.perf_counter()
-        try:
-            loss = self._run(self._executor, args[0] if args else kwargs["batch"])
+        with self._failures_named():
+            loss = self._run(self._executor, args[0] if args else kwargs["batch"], "train")
             synced = 0.0
             if self._stage_group is not None:
                 synced = time.perf_counter()
                 sum_gradients(params, self._stage_group)
+                broadcast_buffers(
+                    self._synced_buffers, self.placement[self.stage_index][0], self._stage_group
+                )
                 synced = time.perf_counter() - synced
-        except RuntimeError as exc:
-            if not is_communication_failure(exc):
-                raise
-            raise self._lost_device_error(exc) from exc
         # Lightning zeroes gradients between training_step and backward: keep them aside.
         self._pending_grads = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        for p, g in zip(params, held, strict=True):
+            p.grad = g
         self.last_step_stats = self._executor.last_stats
         self.last_step_stats.wall_s = time.perf_counter() - start
         self.last_step_stats.grad_sync_s = synced
-        module.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True)
         return loss
 
     def _describe_rank(self, rank: int) -> str:
@@ -455,18 +464,35 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         host = self._hosts[rank] if rank < len(self._hosts) else "?"
         return f"rank {rank} ({where}, host {host})"
 
-    def _lost_device_error(self, cause: RuntimeError) -> DeviceLostError:
-        """Name the lost device from the heartbeats (blocks ``LIVENESS_WAIT_S``) and say so."""
-        store = default_store()
-        if self._heartbeat is None or store is None:
-            lost: list[int] | None = []
-        else:
-            lost = find_lost_ranks(store, self.global_rank, self.world_size, wait_s=LIVENESS_WAIT_S)
-        message = "DeepCEEStrategy: " + lost_message(
-            lost, describe=self._describe_rank, cause=cause, wait_s=LIVENESS_WAIT_S
+    @contextmanager
+    def _failures_named(self) -> Iterator[None]:
+        """Say who failed. A rank's own error is posted in the store before it propagates; a
+        failed transfer or collective is explained by another rank's posted error, or else by
+        the heartbeats (a lost device)."""
+        try:
+            yield
+        except Exception as exc:
+            if is_communication_failure(exc):
+                raise self._lost_device_error(exc) from exc
+            store = default_store()
+            if self._heartbeat is not None and store is not None:
+                report_failure(store, self.global_rank, exc)
+            raise
+
+    def _lost_device_error(self, cause: Exception) -> RuntimeError:
+        """Name the rank whose own error stopped the step or, failing that, the lost device from
+        the heartbeats (blocks ``LIVENESS_WAIT_S``)."""
+        store = default_store() if self._heartbeat is not None else None
+        error = explain_failure(
+            cause,
+            store=store,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            describe=self._describe_rank,
+            wait_s=LIVENESS_WAIT_S,
         )
-        _print_everywhere(f"[rank {self.global_rank}] {message}")
-        return DeviceLostError(message, lost if lost is not None else [0])
+        _print_everywhere(f"[rank {self.global_rank}] {error}")
+        return error
 
     @override
     def on_train_start(self) -> None:
@@ -507,101 +533,55 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         module = self.lightning_module
         assert module is not None and self.stage is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        # Lightning divides the loss by accumulate_grad_batches before backward: the gradients
+        # computed in training_step are divided the same way, then summed over the batches.
+        accumulate = module.trainer.accumulate_grad_batches
         if self._pending_grads is not None:
             for p, g in zip(self.stage.parameters(), self._pending_grads, strict=True):
                 if g is not None:
+                    g = g if accumulate == 1 else g / accumulate
                     p.grad = g if p.grad is None else p.grad + g
             self._pending_grads = None
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def _eval_step(self, name: str, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         assert self._eval_executor is not None
-        module = self.lightning_module
-        assert module is not None
-        with torch.no_grad():
-            loss = self._run(self._eval_executor, args[0] if args else kwargs["batch"])
-        module.log(name, loss, prog_bar=True, on_step=False, on_epoch=True)
+        with torch.no_grad(), self._failures_named():
+            loss = self._run(self._eval_executor, args[0] if args else kwargs["batch"], name)
         return loss
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._eval_step("val_loss", *args, **kwargs)
+        return self._eval_step("val", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._eval_step("test_loss", *args, **kwargs)
+        return self._eval_step("test", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "DeepCEEStrategy does not run predict(); consolidate the checkpoint with "
-            "`deepcee consolidate` and predict with the plain module."
+        """The module's own ``predict_step``, with the pipeline's output for the batch standing
+        in for ``forward``; every rank returns it (``trainer.predict`` gives rank 0's)."""
+        assert self._predict_executor is not None and self.spec is not None
+        batch = args[0] if args else kwargs["batch"]
+        executor = self._predict_executor
+        with torch.no_grad(), self._failures_named():
+            total = batch_size_of(batch)
+            micro = split_batch(batch, split_sizes(total, self.num_microbatches))
+            executor.run(micro, total, forward_context=self.precision_plugin.forward_context)
+            output = self._gathered_output(executor.last_outputs)
+        module = self.lightning_module
+        assert module is not None
+        return call_with_output(
+            module, output, batch, self.spec.input_fn, module.predict_step, *args, **kwargs
         )
 
     @property
     @override
     def handles_gradient_accumulation(self) -> bool:
-        # Micro-batching inside the schedule replaces accumulate_grad_batches.
-        return True
-
-    # ------------------------------------------------------------------------ checkpoints
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError("DeepCEEStrategy.save_checkpoint does not take storage_options.")
-        layout = {
-            "num_stages": self.num_stages,
-            "ranges": self.ranges,
-            "schedule": self.schedule_kind,
-            "num_microbatches": self.num_microbatches,
-        }
-        target = Path(filepath)
-        partial = partial_dir(target)
-        if self.is_global_zero and partial.exists():
-            shutil.rmtree(partial)  # a save that crashed earlier
-        self.barrier("DeepCEEStrategy.save_checkpoint:clean")
-        checkpoint["optimizer_param_names"] = self._optimizer_param_names()
-        save_sharded(
-            checkpoint,
-            partial,
-            stage_index=self.stage_index,
-            write_shard=self._writes_shard,
-            write_meta=self.is_global_zero,
-            layout=layout,
-        )
-        # Swap the finished save in only once every rank has written its part.
-        self.barrier("DeepCEEStrategy.save_checkpoint:written")
-        if self.is_global_zero:
-            commit_partial(target)
-        self.barrier("DeepCEEStrategy.save_checkpoint")
-
-    @override
-    def load_checkpoint(self, checkpoint_path: PATH, weights_only: bool | None = None) -> dict:
-        checkpoint = load_sharded(
-            Path(checkpoint_path), stage_index=self.stage_index, expected_ranges=self.ranges
-        )
-        shards = checkpoint.pop("deepcee_shards", None)
-        if shards is not None:
-            # The cluster or plan changed: rebuild this rank's part from every saved stage.
-            checkpoint.update(self._repartitioned(shards))
-            rank_zero_info(
-                f"DeepCEE: re-partitioned checkpoint {checkpoint_path} from blocks "
-                f"{checkpoint['deepcee']['ranges']} onto {self.ranges}."
-            )
-        checkpoint.pop("optimizer_param_names", None)
-        return checkpoint
-
-    @override
-    def remove_checkpoint(self, filepath: PATH) -> None:
-        if self.is_global_zero:
-            shutil.rmtree(filepath, ignore_errors=True)
+        # Lightning accumulates (accumulate_grad_batches): zero_grad and the optimizer step only
+        # every k batches; training_step and backward keep the sum (see there).
+        return False
 
     @classmethod
     @override

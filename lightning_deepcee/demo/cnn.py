@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.functional import accuracy
 
 from lightning_deepcee.runtime.stage import PipelineSpec
 
@@ -71,6 +72,10 @@ def _loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
     return F.cross_entropy(logits, batch[1])
 
 
+def _accuracy(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+    return accuracy(logits, batch[1], task="multiclass", num_classes=logits.shape[-1])
+
+
 class ConvNet(pl.LightningModule):
     """Residual CNN for ``(B, C, H, W)`` images and integer labels ``(B,)``."""
 
@@ -104,7 +109,12 @@ class ConvNet(pl.LightningModule):
 
     def configure_pipeline(self) -> PipelineSpec:
         """The one addition DeepCEEStrategy needs: stem, residual blocks, head."""
-        return PipelineSpec(blocks=[self.stem, *self.layers, self.head], loss_fn=_loss)
+        return PipelineSpec(
+            blocks=[self.stem, *self.layers, self.head],
+            loss_fn=_loss,
+            # Logged as train_acc / val_acc, as validation_step logs it in one process.
+            metrics_fn=lambda logits, batch: {"acc": _accuracy(logits, batch)},
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
@@ -120,9 +130,8 @@ class ConvNet(pl.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         logits = self(batch[0])
         loss = _loss(logits, batch)
-        accuracy = (logits.argmax(dim=1) == batch[1]).float().mean()
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        self.log("val_acc", accuracy, prog_bar=True, sync_dist=True)
+        self.log("val_acc", _accuracy(logits, batch), prog_bar=True, sync_dist=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

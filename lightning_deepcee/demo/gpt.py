@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torchmetrics.functional import accuracy
 
 from lightning_deepcee.runtime.stage import PipelineSpec
 
@@ -80,6 +81,13 @@ def _lm_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
 
 
+def _token_accuracy(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+    """Share of next tokens predicted right (a mean over the micro-batch's tokens)."""
+    return accuracy(
+        logits.flatten(0, 1), batch[1].flatten(), task="multiclass", num_classes=logits.shape[-1]
+    )
+
+
 class GPT(pl.LightningModule):
     """Character-level GPT. Batches are ``(tokens, next_tokens)`` of shape ``(B, T)``."""
 
@@ -112,6 +120,8 @@ class GPT(pl.LightningModule):
             blocks=[self.embed, *self.blocks, self.head],
             loss_fn=_lm_loss,
             tokens_fn=lambda batch: int(batch[0].numel()),
+            # Logged as train_acc / val_acc, as validation_step logs it in one process.
+            metrics_fn=lambda logits, batch: {"acc": _token_accuracy(logits, batch)},
         )
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -126,8 +136,10 @@ class GPT(pl.LightningModule):
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = _lm_loss(self(batch[0]), batch)
+        logits = self(batch[0])
+        loss = _lm_loss(logits, batch)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val_acc", _token_accuracy(logits, batch), sync_dist=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

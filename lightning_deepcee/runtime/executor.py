@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,7 @@ class StepStats:
 class _MicroBatchState:
     batch: Any = None
     index: int = 0
+    first_row: int = 0
     num_rows: int = 0
     weight: float = 1.0
     input: torch.Tensor | None = None
@@ -98,8 +99,9 @@ class PipelineExecutor:
         actions: the rank's lowered schedule.
         transport: point-to-point transport.
         router: rows and pieces exchanged with the neighbouring stages.
-        loss_fn / input_fn: from the model's :class:`PipelineSpec`.
+        loss_fn / input_fn / metrics_fn: from the model's :class:`PipelineSpec`.
         rank: this rank, for error messages.
+        keep_outputs: prediction: keep the last stage's outputs, compute no loss.
     """
 
     def __init__(
@@ -112,6 +114,8 @@ class PipelineExecutor:
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
         input_fn: Callable[[Any], torch.Tensor],
         rank: int,
+        metrics_fn: Callable[[torch.Tensor, Any], Mapping[str, torch.Tensor | float]] | None = None,
+        keep_outputs: bool = False,
     ) -> None:
         self.stage = stage
         self.actions = list(actions)
@@ -119,11 +123,20 @@ class PipelineExecutor:
         self.router = router
         self.loss_fn = loss_fn
         self.input_fn = input_fn
+        self.metrics_fn = metrics_fn
         self.rank = rank
+        self.keep_outputs = keep_outputs
+        self.last_outputs: list[tuple[int, int, torch.Tensor]] = []
+        """``keep_outputs`` (prediction): the last stage's outputs of the last step, as
+        ``(micro-batch index, first row, output)``."""
+        self.last_metrics: dict[str, float] = {}
+        """This rank's share of the last step's metrics: each micro-batch's mean weighted by
+        its rows here over the step's rows (summed over ranks: the whole batch's mean)."""
         self.last_stats = StepStats()
         # Training and evaluation steps exchange different messages: the transport keeps the
         # payload sizes of each kind apart (its receive-ahead slots).
-        self._kind = "train" if any(a.kind in (K.B, K.W, K.BW) for a in self.actions) else "eval"
+        training = any(a.kind in (K.B, K.W, K.BW) for a in self.actions)
+        self._kind = "train" if training else "predict" if keep_outputs else "eval"
 
     def run(
         self,
@@ -148,6 +161,8 @@ class PipelineExecutor:
         sources = self._sources(states) if self.transport.prefetch else []
         self.transport.begin_step(self._kind, sources)
         loss: torch.Tensor | None = None
+        self.last_metrics = {}
+        self.last_outputs = []
         for pos, action in enumerate(self.actions):
             st = states[action.microbatch]
             if st.num_rows == 0:
@@ -195,7 +210,11 @@ class PipelineExecutor:
         if (start, end) != (0, rows):
             local = split_batch(microbatch, [start, end - start, rows - end])[1]
         return _MicroBatchState(
-            batch=local, index=index, num_rows=end - start, weight=(end - start) / total_rows
+            batch=local,
+            index=index,
+            first_row=start,
+            num_rows=end - start,
+            weight=(end - start) / total_rows,
         )
 
     def _params(self) -> Iterator[torch.nn.Parameter]:
@@ -265,7 +284,15 @@ class PipelineExecutor:
             if not self.stage.is_last:
                 st.output = y
                 return None
+            if self.keep_outputs:
+                self.last_outputs.append((st.index, st.first_row, y.detach()))
+                return None
             loss = self.loss_fn(y, st.batch)
+        if self.metrics_fn is not None:
+            with torch.no_grad():
+                for name, value in self.metrics_fn(y.detach(), st.batch).items():
+                    share = float(value) * st.weight
+                    self.last_metrics[name] = self.last_metrics.get(name, 0.0) + share
         if loss.dim() != 0:
             raise ValueError(
                 f"loss_fn must return a scalar (the mean over the micro-batch), got shape "

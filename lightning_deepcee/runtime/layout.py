@@ -12,7 +12,7 @@ torch and torch.distributed; no Lightning.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_deepcee._compat import (
+    BatchNormBase,
     default_process_group,
     flatten_dense_tensors,
     unflatten_dense_tensors,
@@ -39,9 +40,14 @@ from lightning_deepcee.schedule import SCHEDULE_KINDS, lower, render, validate
 from lightning_deepcee.schedule.generators import forward_only
 
 __all__ = [
+    "BatchDependentModule",
     "Executors",
     "ManualLayout",
+    "batch_dependent_modules",
+    "batch_statistics_warning",
+    "broadcast_buffers",
     "build_executors",
+    "call_with_output",
     "describe",
     "layout_line",
     "make_stage_groups",
@@ -123,7 +129,8 @@ def manual_plan(
 ) -> Plan:
     """The Plan of a manual layout (no predictions: ``predicted_step_time_s`` is 0).
 
-    ``block_weights`` (parameters per block) balance the stages when no partition is given.
+    ``block_weights`` (trainable parameters per block) balance the stages when no partition is
+    given; no stage may be without them (its optimizer would be empty).
     Raises ``ValueError`` naming the argument when the layout does not fit the world or model.
     """
     num_stages = layout.stages(world_size)
@@ -147,7 +154,7 @@ def manual_plan(
             "devices), or split the model into more blocks."
         )
     if layout.partition is None:
-        ranges = balanced_partition([w + 1 for w in block_weights], num_stages)
+        ranges = _balanced_with_parameters(block_weights, num_stages)
     else:
         ranges = list(layout.partition)
         if len(ranges) != num_stages:
@@ -159,6 +166,15 @@ def manual_plan(
             check_partition(ranges, num_blocks)
         except ValueError as exc:
             raise ValueError(f"DeepCEEStrategy(partition=...): {exc}") from None
+    empty = [s for s, (a, b) in enumerate(ranges) if sum(block_weights[a:b]) == 0]
+    if empty:
+        a, b = ranges[empty[0]]
+        raise ValueError(
+            f"DeepCEEStrategy: stage {empty[0]} (blocks {a}..{b - 1}) has no trainable "
+            f"parameters, so its optimizer would be empty; partition={[list(r) for r in ranges]}. "
+            "Give every stage a block with parameters (merge parameter-free blocks such as "
+            "activations into a neighbouring stage), or use fewer stages."
+        )
     replicas = len(placement[0])
     batch = max(global_batch_size, layout.num_microbatches * replicas)
     return Plan(
@@ -177,6 +193,21 @@ def manual_plan(
         notes="manual layout",
         num_replicas=replicas,
     )
+
+
+def _balanced_with_parameters(block_weights: Sequence[int], num_stages: int) -> Ranges:
+    """Balance parameter counts with every stage holding some: blocks without trainable
+    parameters ride with the block before them (the first ones with the first that has some)."""
+    units: list[list[int]] = []
+    for index, weight in enumerate(block_weights):
+        if units and (weight == 0 or sum(block_weights[i] for i in units[-1]) == 0):
+            units[-1].append(index)
+        else:
+            units.append([index])
+    if len(units) < num_stages:  # too few parameter-holding blocks: let the check below say so
+        return balanced_partition([w + 1 for w in block_weights], num_stages)
+    weights = [sum(block_weights[i] for i in unit) + 1 for unit in units]
+    return [(units[a][0], units[b - 1][-1] + 1) for a, b in balanced_partition(weights, num_stages)]
 
 
 def stage_layouts(plan: Plan, rank: int) -> list[StageLayout]:
@@ -223,10 +254,12 @@ def make_stage_groups(placement: Sequence[Sequence[int]], stage_index: int) -> A
 
 @dataclass(frozen=True)
 class Executors:
-    """A rank's executors for training and evaluation, and the lowered training schedule."""
+    """A rank's executors for training, evaluation and prediction, and the lowered training
+    schedule."""
 
     train: PipelineExecutor
     evaluation: PipelineExecutor
+    prediction: PipelineExecutor
     train_schedule: dict[int, list[Any]]
 
 
@@ -253,6 +286,7 @@ def build_executors(
         router=Router(stage_layouts(plan, rank), stage.stage_index, rank),
         loss_fn=spec.loss_fn,
         input_fn=spec.input_fn,
+        metrics_fn=spec.metrics_fn,
         rank=rank,
     )
     m = num_microbatches
@@ -263,8 +297,46 @@ def build_executors(
     return Executors(
         train=PipelineExecutor(actions=train[stage.stage_index], **common),
         evaluation=PipelineExecutor(actions=evaluation[stage.stage_index], **common),
+        prediction=PipelineExecutor(
+            actions=evaluation[stage.stage_index], keep_outputs=True, **common
+        ),
         train_schedule=train,
     )
+
+
+def call_with_output(
+    module: torch.nn.Module,
+    output: torch.Tensor,
+    batch: Any,
+    input_fn: Callable[[Any], Any],
+    step: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Call ``step`` (the module's own ``predict_step``) with ``output`` standing in for what
+    ``module(...)`` returns on the batch: ``self(batch)`` or ``self(input_fn(batch))`` gives the
+    pipeline's output; calling it on anything else raises, since only that ran."""
+    expected = input_fn(batch)
+
+    def forward(*f_args: Any, **f_kwargs: Any) -> torch.Tensor:
+        x = f_args[0] if f_args else next(iter(f_kwargs.values()), None)
+        same = x is batch or x is expected
+        if not same and isinstance(x, torch.Tensor) and isinstance(expected, torch.Tensor):
+            same = x.shape == expected.shape and bool(torch.equal(x, expected))
+        if not same:
+            raise ValueError(
+                f"DeepCEEStrategy.predict: {type(module).__name__}.predict_step called the model "
+                "on something other than the batch's input; under the pipeline only the model "
+                "on input_fn(batch) ran. Call self(batch) or self(input_fn(batch)) once, or "
+                "predict with the consolidated plain module (deepcee consolidate)."
+            )
+        return output
+
+    module.forward = forward
+    try:
+        return step(*args, **kwargs)
+    finally:
+        del module.forward
 
 
 def layout_line(plan: Plan, num_microbatches: int) -> str:
@@ -314,6 +386,60 @@ def sum_gradients(params: Sequence[torch.nn.Parameter], group: Any) -> None:
         all_reduce_(flat, group=group)
         for p, g in zip(group_params, unflatten_dense_tensors(flat, grads), strict=True):
             p.grad = g
+
+
+@dataclass(frozen=True)
+class BatchDependentModule:
+    """A module whose output depends on the other samples of its batch (BatchNorm)."""
+
+    block_index: int
+    name: str
+    """Qualified name inside its block (``""``: the block itself)."""
+    kind: str
+    module: torch.nn.Module
+
+
+def batch_dependent_modules(blocks: Sequence[torch.nn.Module]) -> list[BatchDependentModule]:
+    """Every batch-statistics normalisation inside ``blocks`` (BatchNorm of any dimension)."""
+    return [
+        BatchDependentModule(index, name, type(module).__name__, module)
+        for index, block in enumerate(blocks)
+        for name, module in block.named_modules()
+        if isinstance(module, BatchNormBase)
+    ]
+
+
+def batch_statistics_warning(
+    found: Sequence[BatchDependentModule], plan: Plan, num_microbatches: int, model: str
+) -> str | None:
+    """The setup warning when BatchNorm cannot match one device on the whole batch, or None.
+
+    It matches only when every batch reaches each such module whole: one micro-batch, and one
+    device (one replica) per stage.
+    """
+    if not found or (num_microbatches == 1 and all(len(st.ranks) == 1 for st in plan.stages)):
+        return None
+    where = ", ".join(
+        f"block {m.block_index} ({m.name + ', ' if m.name else ''}{m.kind})" for m in found[:4]
+    )
+    more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+    return (
+        f"DeepCEEStrategy: {model} normalises over the batch in {where}{more}. Under this "
+        f"layout ({num_microbatches} micro-batch(es); stages shared by "
+        f"{max(len(st.ranks) for st in plan.stages)} device(s)) each micro-batch, or each "
+        "device's rows of it, is normalised with its own statistics, so outputs and gradients "
+        "differ from one device on the whole batch, and the running statistics are updated once "
+        "per piece (num_batches_tracked counts pieces). Devices sharing a stage keep identical "
+        "running statistics (the first device's are broadcast after each step, as DDP does). "
+        "For exact results replace BatchNorm by GroupNorm or LayerNorm, or train with "
+        "num_microbatches=1 and one device per stage."
+    )
+
+
+def broadcast_buffers(buffers: Sequence[torch.Tensor], src: int, group: Any) -> None:
+    """Give every device of a shared stage the ``src`` device's buffers (running statistics)."""
+    for buffer in buffers:
+        dist.broadcast(buffer, src=src, group=group)
 
 
 def _normalise_partition(

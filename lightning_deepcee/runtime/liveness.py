@@ -33,10 +33,15 @@ from lightning_deepcee.runtime.transport import PeerLostError
 __all__ = [
     "DeviceLostError",
     "Heartbeat",
+    "RankFailedError",
     "default_store",
+    "explain_failure",
+    "failed_ranks",
+    "failure_message",
     "find_lost_ranks",
     "is_communication_failure",
     "lost_message",
+    "report_failure",
     "wait_for_ranks",
 ]
 
@@ -112,6 +117,51 @@ def find_lost_ranks(store: Any, rank: int, world_size: int, *, wait_s: float) ->
     except Exception:
         return None
     return [r for r in range(world_size) if r != rank and after[r] == before[r] and not exited[r]]
+
+
+class RankFailedError(RuntimeError):
+    """Another rank failed with its own error (a model bug, a bad batch) and this rank stopped
+    because of it; ``failed`` maps each such rank to its error's type and message."""
+
+    def __init__(self, message: str, failed: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failed = dict(failed)
+
+
+def report_failure(store: Any, rank: int, error: BaseException) -> None:
+    """Post this rank's own error (type and message) and mark it as exiting, so the ranks its
+    exit breaks report that error instead of a lost device. Best effort: a store that went
+    away changes nothing."""
+    text = f"{type(error).__name__}: {error}"
+    try:
+        store.set(f"{_prefix()}/error/{rank}", text[:4000])
+        store.set(f"{_prefix()}/exit/{rank}", "1")
+    except Exception:
+        return
+
+
+def failed_ranks(store: Any, world_size: int) -> dict[int, str]:
+    """The errors ranks posted with :func:`report_failure` (none when the store is gone)."""
+    failed: dict[int, str] = {}
+    try:
+        for r in range(world_size):
+            key = f"{_prefix()}/error/{r}"
+            if store.check([key]):
+                failed[r] = store.get(key).decode(errors="replace")
+    except Exception:
+        return failed
+    return failed
+
+
+def failure_message(
+    failed: dict[int, str], *, describe: Callable[[int], str], cause: BaseException
+) -> str:
+    """The error text on the ranks that stopped because another rank failed."""
+    parts = "; ".join(f"{describe(r)} failed with {text}" for r, text in sorted(failed.items()))
+    return (
+        f"{parts}. This rank stopped because of it (its step then failed with "
+        f"{type(cause).__name__}: {cause})"
+    )
 
 
 def lost_message(
@@ -198,3 +248,30 @@ def is_communication_failure(exc: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+def explain_failure(
+    cause: Exception,
+    *,
+    store: Any | None,
+    rank: int,
+    world_size: int,
+    describe: Callable[[int], str],
+    wait_s: float,
+) -> RuntimeError:
+    """The error a rank raises when its transfer or collective failed: another rank's posted
+    error (:class:`RankFailedError`) or else the lost device from the heartbeats
+    (:class:`DeviceLostError`). Blocks ``wait_s`` to read the heartbeats; ``store`` None (no
+    heartbeats) names nobody."""
+    lost: list[int] | None = []
+    if store is not None:
+        lost = find_lost_ranks(store, rank, world_size, wait_s=wait_s)
+        failed = failed_ranks(store, world_size)
+        failed.pop(rank, None)
+        if failed:
+            text = failure_message(failed, describe=describe, cause=cause)
+            return RankFailedError(f"DeepCEEStrategy: {text}", failed)
+    message = "DeepCEEStrategy: " + lost_message(
+        lost, describe=describe, cause=cause, wait_s=wait_s
+    )
+    return DeviceLostError(message, lost if lost is not None else [0])

@@ -65,12 +65,19 @@ class PipelineSpec:
         loss_fn: ``loss_fn(output_of_last_block, micro_batch) -> scalar`` mean over the samples.
         input_fn: ``input_fn(micro_batch) -> tensor`` fed to the first block.
         tokens_fn: optional ``tokens_fn(batch) -> int`` counting tokens, for tokens/s.
+        metrics_fn: optional ``metrics_fn(output_of_last_block, micro_batch) -> {name: mean}``,
+            the module's own metrics as means over the micro-batch's samples (e.g.
+            ``torchmetrics.functional.accuracy``). Called without gradients on the last stage;
+            the strategy logs each as ``train_<name>`` / ``val_<name>`` / ``test_<name>``,
+            weighted by rows into the whole batch's mean, what one device computes. Metrics
+            that are not means (perplexity) derive from logged means (``exp(val_loss)``).
     """
 
     blocks: Sequence[nn.Module]
     loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]
     input_fn: Callable[[Any], torch.Tensor] = default_input_fn
     tokens_fn: Callable[[Any], int] | None = None
+    metrics_fn: Callable[[torch.Tensor, Any], Mapping[str, torch.Tensor | float]] | None = None
 
 
 _CONTRACT_HINT = """\

@@ -10,6 +10,7 @@ single-process reference run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -62,6 +63,7 @@ def _trainer(cfg: dict[str, Any], root: Path, **overrides: Any) -> pl.Trainer:
         num_sanity_val_steps=0,
         precision=cfg.get("precision", "32-true"),
         gradient_clip_val=cfg.get("clip"),
+        accumulate_grad_batches=cfg.get("accumulate", 1),
         default_root_dir=str(root),
         # Lightning's DistributedSampler always shuffles training data; the single-process
         # reference reads in order, so only the multi-replica config (whose reference rebuilds
@@ -105,8 +107,20 @@ def _save_params(model: torch.nn.Module, path: Path) -> None:
 def run(cfg: dict[str, Any], out: Path) -> None:
     rank = int(os.environ["RANK"])
     target = out / cfg["name"]
-    model = TinyNet(num_blocks=cfg.get("num_blocks", 6), optimizer=cfg.get("optimizer", "adamw"))
+    model = TinyNet(
+        num_blocks=cfg.get("num_blocks", 6),
+        optimizer=cfg.get("optimizer", "adamw"),
+        batch_norm=cfg.get("batch_norm", False),
+    )
     loader = make_loader(cfg.get("batch_size", 10), cfg.get("num_samples", 30))
+    if cfg.get("non_scalar_loss"):  # a model bug that only the last stage can see
+        spec = model.configure_pipeline()
+        broken = dataclasses.replace(
+            spec, loss_fn=lambda out, batch: torch.nn.functional.cross_entropy(
+                out, batch[1], reduction="none"
+            )
+        )  # fmt: skip
+        model.configure_pipeline = lambda: broken  # type: ignore[method-assign]
     if "expect_error" in cfg:
         real_version = lightning_deepcee.__version__
         if cfg.get("fake_version_on_rank") == rank:
@@ -114,8 +128,9 @@ def run(cfg: dict[str, Any], out: Path) -> None:
         try:
             _trainer(cfg, target).fit(model, loader)
         except Exception as exc:
+            target.mkdir(parents=True, exist_ok=True)
+            (target / f"error_rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
             if rank == 0:
-                target.mkdir(parents=True, exist_ok=True)
                 (target / "error.txt").write_text(f"{type(exc).__name__}: {exc}")
         finally:
             lightning_deepcee.__version__ = real_version
@@ -151,6 +166,14 @@ def run(cfg: dict[str, Any], out: Path) -> None:
     trainer = _trainer(cfg, target)
     trainer.fit(model, loader)
     _save_params(model, target / f"rank{rank}.pt")
+    if cfg.get("validate_after"):  # validate and test the trained pipeline, same trainer
+        logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        (target / f"rank{rank}_train_metrics.json").write_text(json.dumps(logged))
+        metrics = trainer.validate(model, loader, verbose=False)[0]
+        metrics.update(trainer.test(model, loader, verbose=False)[0])
+        predictions = trainer.predict(model, loader)
+        torch.save(torch.cat(predictions), target / f"rank{rank}_predict.pt")  # type: ignore[arg-type]
+        (target / f"rank{rank}_eval.json").write_text(json.dumps(metrics))
     stats = trainer.strategy.last_step_stats
     figures: dict[str, Any] = {"grad_sync_s": stats.grad_sync_s, "wall_s": stats.wall_s}
     for callback in trainer.callbacks:  # type: ignore[attr-defined]

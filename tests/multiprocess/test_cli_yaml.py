@@ -75,6 +75,10 @@ data: {{block_size: 16, batch_size: 6, max_chars: 20000}}
     sync = [float(r["deepcee/stage0_grad_sync_s"]) for r in rows if r.get("deepcee/stage0_cpu_s")]
     assert sync and all(s == 0 for s in sync)
     assert any(r.get("val_loss") for r in rows)
+    # The demo's torchmetrics token accuracy (PipelineSpec.metrics_fn) reaches the logger.
+    accuracies = [float(r["train_acc_step"]) for r in rows if r.get("train_acc_step")]
+    assert accuracies and all(0 <= a <= 1 for a in accuracies)
+    assert any(r.get("val_acc") for r in rows)
 
     ckpts = list((tmp_path / "log" / "version_0" / "checkpoints").glob("*.ckpt"))
     assert len(ckpts) == 1 and (ckpts[0] / "stage_001.pt").is_file()

@@ -64,16 +64,25 @@ def _replica_batches(num_samples: int, replicas: int, per_replica: int) -> list[
 
 def _reference(steps: int, clip: float | None = None, optimizer: str = "adamw", **kw: Any) -> dict:
     warnings.filterwarnings("ignore")
-    model = TinyNet(num_blocks=kw.get("num_blocks", 6), optimizer=optimizer)
+    model = TinyNet(
+        num_blocks=kw.get("num_blocks", 6),
+        optimizer=optimizer,
+        batch_norm=kw.get("batch_norm", False),
+    )
     loader = make_loader(kw.get("batch_size", 10), kw.get("num_samples", 30))
     if "batch_sampler" in kw:
         loader = DataLoader(loader.dataset, batch_sampler=kw["batch_sampler"])
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip,
-        precision=kw.get("precision", "32-true"),
+        precision=kw.get("precision", "32-true"), accumulate_grad_batches=kw.get("accumulate", 1),
     )  # fmt: skip
     trainer.fit(model, loader)
+    if "evaluation" in kw:  # what training, validate() and test() log, same trainer
+        kw["train_metrics"].update({k: float(v) for k, v in trainer.callback_metrics.items()})
+        kw["evaluation"].update(trainer.validate(model, loader, verbose=False)[0])
+        kw["evaluation"].update(trainer.test(model, loader, verbose=False)[0])
+        kw["predictions"].append(torch.cat(trainer.predict(model, loader)))  # type: ignore[arg-type]
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -120,7 +129,72 @@ def test_schedules_match_single_process(tmp_path: Path, world: int) -> None:
     _assert_equal(_merged(tmp_path / "clip", world), _reference(4, clip=0.05, optimizer="sgd"))
 
 
-def _asymmetric_plan(path: Path) -> str:
+def test_accumulation_and_evaluation_after_fit_match_single_process(tmp_path: Path) -> None:
+    """accumulate_grad_batches=2 steps once per two batches on their summed gradient, exactly
+    as one process does; validate() and test() after fit (default partition, 3 stages) run the
+    layout that trained and log the single-process losses; a model error on one rank is what
+    every rank reports."""
+    configs: list[dict[str, Any]] = [
+        {"name": "accumulate", "schedule": "1f1b", "num_microbatches": 3, "steps": 3,
+         "accumulate": 2},
+        {"name": "evaluate", "schedule": "zb-h1", "num_microbatches": 2, "steps": 4,
+         "validate_after": True},
+        # SGD: the bias before a BatchNorm has a gradient of float noise, which Adam would
+        # scale up to a full step.
+        {"name": "bn-exact", "schedule": "1f1b", "num_microbatches": 1, "steps": 3,
+         "batch_norm": True, "optimizer": "sgd"},
+        # Last: a step that fails mid-way leaves the process group unusable.
+        {"name": "badloss", "schedule": "1f1b", "num_microbatches": 2, "expect_error": True,
+         "non_scalar_loss": True},
+    ]  # fmt: skip
+    _launch(3, configs, tmp_path)
+    # BatchNorm with whole batches and one device per stage: exact, running statistics too.
+    _assert_equal(
+        _merged(tmp_path / "bn-exact", 3), _reference(3, optimizer="sgd", batch_norm=True)
+    )
+    # Shared stage 0 (ranks 0 and 1 split the rows): the two devices' running statistics stay
+    # identical (_merged compares the copies bit for bit).
+    shared = [
+        {"name": "bn-shared", "plan": _asymmetric_plan(tmp_path / "bn.json", batch_norm=True),
+         "steps": 3, "batch_norm": True, "batch_size": 20, "num_samples": 60},
+    ]  # fmt: skip
+    _launch(4, shared, tmp_path)
+    merged = _merged(tmp_path / "bn-shared", 4)
+    assert int(merged["inp.1.num_batches_tracked"]) == 9  # 3 steps x 3 micro-batches
+    _assert_equal(_merged(tmp_path / "accumulate", 3), _reference(3, accumulate=2))
+    # A model error on the last stage (rank 2): every rank names that rank and its error, and
+    # none reports a lost device.
+    for rank in range(3):
+        text = (tmp_path / "badloss" / f"error_rank{rank}.txt").read_text()
+        assert "loss_fn must return a scalar" in text, (rank, text)
+        assert "DeviceLostError" not in text, (rank, text)
+        if rank != 2:
+            assert text.startswith("RankFailedError: DeepCEEStrategy: rank 2 (stage 2"), text
+    evaluation: dict[str, float] = {}
+    train_metrics: dict[str, float] = {}
+    predictions: list[torch.Tensor] = []
+    reference = _reference(
+        4, evaluation=evaluation, train_metrics=train_metrics, predictions=predictions
+    )
+    _assert_equal(_merged(tmp_path / "evaluate", 3), reference)
+    # The module's torchmetrics accuracy (PipelineSpec.metrics_fn) is logged on every rank with
+    # the value its own steps log in one process.
+    assert set(evaluation) == {"val_loss", "val_acc", "test_loss", "test_acc"}
+    assert {"train_acc_step", "train_acc_epoch"} <= set(train_metrics)
+    for rank in range(3):
+        got = json.loads((tmp_path / "evaluate" / f"rank{rank}_eval.json").read_text())
+        assert got.keys() == evaluation.keys()
+        for name, value in evaluation.items():
+            assert got[name] == pytest.approx(value, rel=1e-5), (rank, name)
+        trained = json.loads((tmp_path / "evaluate" / f"rank{rank}_train_metrics.json").read_text())
+        for name in ("train_acc_step", "train_acc_epoch"):
+            assert trained[name] == pytest.approx(train_metrics[name], rel=1e-5), (rank, name)
+        # predict(): the module's predict_step on the pipeline's output, on every rank.
+        predicted = torch.load(tmp_path / "evaluate" / f"rank{rank}_predict.pt")
+        torch.testing.assert_close(predicted, predictions[0], rtol=1e-5, atol=1e-6)
+
+
+def _asymmetric_plan(path: Path, batch_norm: bool = False) -> str:
     """Stage 0 shared by ranks 0 and 1 (60/40 rows), then rank 2, then rank 3."""
     stages = (
         StagePlan(block_range=(0, 2), ranks=(1, 0), batch_shares=(0.6, 0.4)),
@@ -135,7 +209,9 @@ def _asymmetric_plan(path: Path) -> str:
         predicted_step_time_s=1.0,
         predicted_bubble_ratio=0.0,
         predicted_peak_memory_bytes={r: 0 for r in range(4)},
-        model_fingerprint=model_fingerprint(TinyNet().configure_pipeline().blocks),
+        model_fingerprint=model_fingerprint(
+            TinyNet(batch_norm=batch_norm).configure_pipeline().blocks
+        ),
         cluster_fingerprint="",
     )
     plan.to_json(path)

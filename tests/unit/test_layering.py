@@ -105,6 +105,19 @@ def test_private_framework_names_only_in_compat() -> None:
     assert not bad, bad
 
 
+MAX_LINES = 600
+
+
+def test_modules_stay_small() -> None:
+    """Files by responsibility: no module of the package over 600 lines."""
+    long = {
+        str(path.relative_to(PKG)): n
+        for path in sorted(PKG.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, long
+
+
 def test_no_private_names_imported_across_modules() -> None:
     """A module uses another module's public names only (``_compat`` re-exports the framework's
     private ones under public names); a package's private module (``profiler/_checks.py``) is
