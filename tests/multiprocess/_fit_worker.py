@@ -174,6 +174,16 @@ def run(cfg: dict[str, Any], out: Path) -> None:
         predictions = trainer.predict(model, loader)
         torch.save(torch.cat(predictions), target / f"rank{rank}_predict.pt")  # type: ignore[arg-type]
         (target / f"rank{rank}_eval.json").write_text(json.dumps(metrics))
+        # Without fit, from the pipeline checkpoint of the trained run: a fresh trainer and an
+        # untrained module (another partition, so the checkpoint is re-partitioned on load).
+        ckpt = target / "trained.ckpt"
+        trainer.save_checkpoint(ckpt)
+        fresh = TinyNet(optimizer=cfg.get("optimizer", "adamw"))
+        other = _trainer({**cfg, "partition": cfg["fresh_partition"]}, target)
+        again = other.validate(fresh, loader, ckpt_path=ckpt, verbose=False)[0]
+        again_predictions = other.predict(fresh, loader, ckpt_path=ckpt)
+        torch.save(torch.cat(again_predictions), target / f"rank{rank}_predict_ckpt.pt")  # type: ignore[arg-type]
+        (target / f"rank{rank}_eval_ckpt.json").write_text(json.dumps(again))
     stats = trainer.strategy.last_step_stats
     figures: dict[str, Any] = {"grad_sync_s": stats.grad_sync_s, "wall_s": stats.wall_s}
     for callback in trainer.callbacks:  # type: ignore[attr-defined]

@@ -138,7 +138,7 @@ def test_accumulation_and_evaluation_after_fit_match_single_process(tmp_path: Pa
         {"name": "accumulate", "schedule": "1f1b", "num_microbatches": 3, "steps": 3,
          "accumulate": 2},
         {"name": "evaluate", "schedule": "zb-h1", "num_microbatches": 2, "steps": 4,
-         "validate_after": True},
+         "validate_after": True, "fresh_partition": [1, 1, 4]},
         # SGD: the bias before a BatchNorm has a gradient of float noise, which Adam would
         # scale up to a full step.
         {"name": "bn-exact", "schedule": "1f1b", "num_microbatches": 1, "steps": 3,
@@ -191,6 +191,13 @@ def test_accumulation_and_evaluation_after_fit_match_single_process(tmp_path: Pa
             assert trained[name] == pytest.approx(train_metrics[name], rel=1e-5), (rank, name)
         # predict(): the module's predict_step on the pipeline's output, on every rank.
         predicted = torch.load(tmp_path / "evaluate" / f"rank{rank}_predict.pt")
+        torch.testing.assert_close(predicted, predictions[0], rtol=1e-5, atol=1e-6)
+        # validate() and predict() without fit, from the pipeline checkpoint, on another
+        # partition: the same values.
+        again = json.loads((tmp_path / "evaluate" / f"rank{rank}_eval_ckpt.json").read_text())
+        for name in ("val_loss", "val_acc"):
+            assert again[name] == pytest.approx(evaluation[name], rel=1e-5), (rank, name)
+        predicted = torch.load(tmp_path / "evaluate" / f"rank{rank}_predict_ckpt.pt")
         torch.testing.assert_close(predicted, predictions[0], rtol=1e-5, atol=1e-6)
 
 
