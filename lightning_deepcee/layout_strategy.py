@@ -75,7 +75,6 @@ class PipelineLayoutStrategy(DDPStrategy):
     _executor: PipelineExecutor | None
     _eval_executor: PipelineExecutor | None
     _predict_executor: PipelineExecutor | None
-    _train_schedule: dict[int, list[Any]]
     _stage_group: Any
     _pending_grads: list[torch.Tensor | None] | None
     _block_names: list[str]
@@ -234,7 +233,6 @@ class PipelineLayoutStrategy(DDPStrategy):
         )
         self._executor, self._eval_executor = built.train, built.evaluation
         self._predict_executor = built.prediction
-        self._train_schedule = built.train_schedule
 
     def set_num_microbatches(self, num_microbatches: int) -> None:
         """Use ``num_microbatches`` from the next step on (all ranks must call it together).

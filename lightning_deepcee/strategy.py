@@ -215,7 +215,6 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         self._executor: PipelineExecutor | None = None
         self._eval_executor: PipelineExecutor | None = None
         self._predict_executor: PipelineExecutor | None = None
-        self._train_schedule: dict[int, list[Any]] = {}
         self._stage_group: Any = None
         self.plan: Plan | None = None
         """The running layout (every layout is a Plan; a manual one has no predictions)."""
@@ -399,7 +398,7 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
             forward_context=self.precision_plugin.forward_context,
         )
         names = self._metric_names(executor)
-        shares = [executor.last_metrics.get(name, 0.0) for name in names]
+        shares = [float(executor.last_metrics.get(name, 0.0)) for name in names]
         figures = torch.tensor([0.0, *shares], dtype=torch.float64, device=self.root_device)
         if loss is not None:
             figures[0] = loss.detach().double()

@@ -129,7 +129,7 @@ class PipelineExecutor:
         self.last_outputs: list[tuple[int, int, torch.Tensor]] = []
         """``keep_outputs`` (prediction): the last stage's outputs of the last step, as
         ``(micro-batch index, first row, output)``."""
-        self.last_metrics: dict[str, float] = {}
+        self.last_metrics: dict[str, torch.Tensor | float] = {}
         """This rank's share of the last step's metrics: each micro-batch's mean weighted by
         its rows here over the step's rows (summed over ranks: the whole batch's mean)."""
         self.last_stats = StepStats()
@@ -291,7 +291,9 @@ class PipelineExecutor:
         if self.metrics_fn is not None:
             with torch.no_grad():
                 for name, value in self.metrics_fn(y.detach(), st.batch).items():
-                    share = float(value) * st.weight
+                    # Kept as tensors: reading them here would wait for the device every
+                    # micro-batch; the strategy reads the step's sums once.
+                    share = value * st.weight
                     self.last_metrics[name] = self.last_metrics.get(name, 0.0) + share
         if loss.dim() != 0:
             raise ValueError(

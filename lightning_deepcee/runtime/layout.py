@@ -254,13 +254,11 @@ def make_stage_groups(placement: Sequence[Sequence[int]], stage_index: int) -> A
 
 @dataclass(frozen=True)
 class Executors:
-    """A rank's executors for training, evaluation and prediction, and the lowered training
-    schedule."""
+    """A rank's executors for training, evaluation and prediction."""
 
     train: PipelineExecutor
     evaluation: PipelineExecutor
     prediction: PipelineExecutor
-    train_schedule: dict[int, list[Any]]
 
 
 def build_executors(
@@ -300,7 +298,6 @@ def build_executors(
         prediction=PipelineExecutor(
             actions=evaluation[stage.stage_index], keep_outputs=True, **common
         ),
-        train_schedule=train,
     )
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import pytest
+from test_cost_model import make_profile
 
 from lightning_deepcee.planner import (
     CostModelConfig,
@@ -21,40 +21,22 @@ from lightning_deepcee.planner import (
     stage_costs,
     transfer_time_s,
 )
-from lightning_deepcee.profiler.data import ClusterProfile, DeviceProfile
+from lightning_deepcee.profiler.data import ClusterProfile
 
 
 def _profile(bandwidth: float, *, num_devices: int = 4, num_blocks: int = 4) -> ClusterProfile:
     """Two sites of two devices (``bandwidth`` between them), devices of speed 1, 2, 1, 2."""
     site = np.arange(num_devices) // 2
-    bw = np.where(site[:, None] == site[None, :], 1e9, bandwidth)
-    np.fill_diagonal(bw, math.inf)
-    lat = np.where(site[:, None] == site[None, :], 1e-4, 1e-2)
-    np.fill_diagonal(lat, 0.0)
-    devices = tuple(
-        DeviceProfile(
-            rank=r,
-            host=f"h{r}",
-            kind="cpu",
-            memory_bytes=10**12,
-            forward_s=(0.01 / (1 + r % 2),) * num_blocks,
-            backward_input_s=(0.01 / (1 + r % 2),) * num_blocks,
-            backward_weight_s=(0.02 / (1 + r % 2),) * num_blocks,
-            activation_bytes=(50_000,) * num_blocks,
-            parameter_bytes=(1_000_000,) * num_blocks,
-            reference_microbatch_size=2,
-            capability=float(1 + r % 2),
-            fixed_s=(0.004 / (1 + r % 2),) * num_blocks,
-        )
-        for r in range(num_devices)
-    )
-    return ClusterProfile(
-        devices=devices,
-        latency_s=tuple(tuple(row) for row in lat.tolist()),
-        bandwidth_bytes_per_s=tuple(tuple(row) for row in bw.tolist()),
+    return make_profile(
+        speeds=[float(1 + r % 2) for r in range(num_devices)],
         num_blocks=num_blocks,
-        model_fingerprint="model",
-        cluster_fingerprint="cluster",
+        bandwidth=np.where(site[:, None] == site[None, :], 1e9, bandwidth),
+        latency=1e-3,
+        block_s=0.01,
+        activation_bytes=50_000,
+        parameter_bytes=1_000_000,
+        reference_microbatch_size=2,
+        fixed_fraction=0.1,
     )
 
 

@@ -176,9 +176,15 @@ def test_text_is_literal_and_passthrough_is_unconverted() -> None:
 
 
 def test_no_omegaconf_warnings() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _load({"name": "m", "cores": 1, "speed": 3, "grid": [[1, 2]], "tags": ("a",)})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        machine = _load({"name": "m", "cores": 1, "speed": 3, "grid": [[1, 2]], "tags": ("a",)})
+    assert [str(w.message) for w in caught] == []
+    assert (machine.speed, list(map(list, machine.grid)), list(machine.tags)) == (
+        3,
+        [[1, 2]],
+        ["a"],
+    )
 
 
 def test_describe_type() -> None:
