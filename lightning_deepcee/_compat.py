@@ -24,8 +24,18 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 # SyncBatchNorm): the one type that says "normalises over the batch dimension".
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 
-# Map over nested containers of tensors (block inputs and outputs of any structure).
-from torch.utils._pytree import tree_map
+# Nested containers of tensors (block values of any structure, and the description of their
+# structure that travels to the next stage once): torch's pytree, which has no public module.
+from torch.utils._pytree import (
+    TreeSpec,
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_map,
+    tree_unflatten,
+    treespec_dumps,
+    treespec_loads,
+)
 
 # Lightning's path type for checkpoint hooks (``lightning.fabric.utilities.types._PATH``), spelled
 # out so that the runtime, which uses this module too, does not load Lightning.
@@ -34,14 +44,22 @@ PATH = str | Path
 __all__ = [
     "PATH",
     "BatchNormBase",
+    "TreeSpec",
     "default_process_group",
     "default_store",
     "fit_dataloader",
     "flatten_dense_tensors",
+    "keystr",
+    "mock_optimizer",
     "optimizers_to_device",
     "stage_backward_input",
     "stage_backward_weight",
+    "tree_flatten",
+    "tree_flatten_with_path",
     "tree_map",
+    "tree_unflatten",
+    "treespec_dumps",
+    "treespec_loads",
     "unflatten_dense_tensors",
 ]
 
@@ -79,3 +97,12 @@ def fit_dataloader(trainer: Any) -> Any:
     """The training dataloader before the fit loop has set it up (profiling needs one batch at
     ``setup``, and Lightning builds the loaders only after the strategy's setup)."""
     return trainer.fit_loop._data_source.dataloader()
+
+
+def mock_optimizer() -> Any:
+    """What Lightning trains with when ``configure_optimizers`` returns None
+    (``lightning.pytorch.core.optimizer._MockOptimizer``): a rank the plan leaves idle has no
+    parameters, and this keeps its loop, and the collectives in it, in step with the others."""
+    from lightning.pytorch.core.optimizer import _MockOptimizer
+
+    return _MockOptimizer()

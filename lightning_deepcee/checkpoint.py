@@ -11,7 +11,10 @@ A checkpoint is a directory::
 Stage ``state_dict`` keys are the global parameter names of the unsplit module (other stages'
 blocks are ``nn.Identity`` on each rank), so :func:`consolidate_checkpoint` is a plain union that
 loads into the unsplit module, and :func:`repartition` can rebuild any other stage's part (its
-optimizer state too, through ``optimizer_param_names``) when the cluster changed.
+optimizer state too, through ``optimizer_param_names``) when the cluster changed. A tied
+parameter (one used by blocks of several stages) is saved once, by the first stage that uses it,
+under its names there; ``meta.pt`` lists every tie's names (``"tied"``), and loading fills the
+other names from that one tensor.
 
 Nothing is lost on a crash: the ranks write into a hidden ``.NAME.partial`` directory (each file
 under a temporary name, fsynced, renamed), and only when every rank has finished does rank 0 swap
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,7 @@ __all__ = [
     "META_FILE",
     "commit_partial",
     "consolidate_checkpoint",
+    "load_meta",
     "load_sharded",
     "partial_dir",
     "repartition",
@@ -115,13 +119,24 @@ def _load(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def load_meta(directory: Path) -> dict[str, Any]:
+    """``meta.pt`` alone: what a rank that holds no stage restores."""
+    return _load(resolve_checkpoint_dir(directory) / META_FILE)
+
+
 def load_sharded(
-    directory: Path, *, stage_index: int, expected_ranges: Sequence[tuple[int, int]]
+    directory: Path,
+    *,
+    stage_index: int,
+    expected_ranges: Sequence[tuple[int, int]],
+    fill_tied: Mapping[int, Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """Read ``meta.pt`` and this stage's shard back into one Lightning checkpoint dict.
 
-    When the checkpoint was saved under another partition, every shard is returned under
-    ``"deepcee_shards"`` instead, for :func:`repartition`.
+    ``fill_tied`` (``{owner stage: names}``): tied parameters this stage holds but another
+    stage saved; they are read from that stage's shard under ``names``. When the checkpoint was
+    saved under another partition, every shard is returned under ``"deepcee_shards"`` instead,
+    for :func:`repartition`.
     """
     directory = resolve_checkpoint_dir(directory)
     if not directory.is_dir():
@@ -137,6 +152,18 @@ def load_sharded(
         ]  # the caller re-partitions them onto this run's layout (see repartition)
         return checkpoint
     checkpoint.update(_load(directory / shard_file(stage_index)))
+    tied = checkpoint.get("deepcee", {}).get("tied", [])
+    for owner, names in (fill_tied or {}).items():
+        saved_weights = _load(directory / shard_file(owner))["state_dict"]
+        for name in names:
+            group = next((g for g in tied if name in g), [name])
+            source = next((n for n in group if n in saved_weights), None)
+            if source is None:
+                raise ValueError(
+                    f"The checkpoint lacks the tied parameter {name}: stage {owner} did not save "
+                    f"it ({directory})."
+                )
+            checkpoint["state_dict"][name] = saved_weights[source]
     return checkpoint
 
 
@@ -144,6 +171,7 @@ def repartition(
     shards: Sequence[dict[str, Any]],
     local_keys: Sequence[str],
     optimizers_and_names: Sequence[tuple[dict[str, Any], list[str]]],
+    tied: Sequence[Sequence[str]] = (),
 ) -> dict[str, Any]:
     """Rebuild one rank's part of a checkpoint saved under another partition.
 
@@ -153,6 +181,7 @@ def repartition(
         local_keys: this rank's ``state_dict`` keys (global names of its blocks).
         optimizers_and_names: for each local optimizer, its fresh ``state_dict()`` and the global
             names of its parameters in optimizer order.
+        tied: the names of each tied parameter; whichever of them a shard saved stands for all.
 
     Returns the ``state_dict``, ``optimizer_states`` and ``lr_schedulers`` entries to load.
     """
@@ -174,6 +203,7 @@ def repartition(
                 if index in opt_state["state"]:
                     named_state[name] = opt_state["state"][index]
                 named_group[name] = {k: v for k, v in group_of[index].items() if k != "params"}
+    _alias_tied(weights, tied)
     missing = [k for k in local_keys if k not in weights]
     if missing:
         raise ValueError(f"The checkpoint lacks {missing[:5]}: it is not of this model.")
@@ -207,4 +237,15 @@ def consolidate_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:
         if overlap:
             raise ValueError(f"Stages overlap in {sorted(overlap)[:5]}: not a DeepCEE checkpoint.")
         merged.update(state)
+    _alias_tied(merged, meta["deepcee"].get("tied", []))
     return merged
+
+
+def _alias_tied(weights: dict[str, Any], tied: Sequence[Sequence[str]]) -> None:
+    """Give every name of a tied parameter the one tensor saved under any of them (one object,
+    so ``torch.save`` of the result stores it once, as it does for the unsplit module)."""
+    for names in tied:
+        saved = next((weights[n] for n in names if n in weights), None)
+        if saved is not None:
+            for name in names:
+                weights[name] = saved

@@ -5,6 +5,7 @@ Lightning layer: the warnings go through Lightning's rank-zero helpers.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -20,6 +21,7 @@ from lightning_deepcee.runtime.stage import PipelineSpec
 
 __all__ = [
     "format_cluster",
+    "print_everywhere",
     "summarise_whole_model",
     "warn_once_per_job",
     "warn_unrun_steps",
@@ -99,3 +101,8 @@ def format_cluster(profile: ClusterProfile, groups: DeviceGroups) -> str:
             cells.append("         -" if i == j else f"{bw * 8 / 1e6:>6.0f}/{lat * 1e3:<3.1f}")
         lines.append(f"  {i:>4}  " + "".join(f"{c:>10}" for c in cells))
     return "\n".join(lines)
+
+
+def print_everywhere(message: str) -> None:
+    """Print on every rank (a lost-device error is news on each of them), to stderr."""
+    print(message, file=sys.stderr, flush=True)

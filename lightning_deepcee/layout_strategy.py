@@ -28,9 +28,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
-from lightning_deepcee._compat import PATH, optimizers_to_device
+from lightning_deepcee._compat import PATH, mock_optimizer, optimizers_to_device
 from lightning_deepcee.checkpoint import (
     commit_partial,
+    load_meta,
     load_sharded,
     partial_dir,
     repartition,
@@ -49,7 +50,17 @@ from lightning_deepcee.runtime.layout import (
     make_stage_groups,
 )
 from lightning_deepcee.runtime.measure import model_fingerprint
+from lightning_deepcee.runtime.stage import IDLE, TiedParameter
+from lightning_deepcee.runtime.ties import (
+    TieGroup,
+    broadcast_initial_weights,
+    canonical_names,
+    make_tie_groups,
+    owned_state_dict,
+    tied_names_to_fill,
+)
 from lightning_deepcee.runtime.transport import TransferRecord
+from lightning_deepcee.runtime.values import cat_values
 
 __all__ = ["PipelineLayoutStrategy"]
 
@@ -81,6 +92,10 @@ class PipelineLayoutStrategy(DDPStrategy):
     _split_module: Any
     _synced_buffers: list[torch.Tensor]
     """Running statistics of this stage's BatchNorm modules, kept equal across its devices."""
+    _ties: list[tuple[TiedParameter, torch.nn.Parameter]]
+    """Parameters several blocks use, with the parameter object (found on the unsplit module)."""
+    _tie_groups: list[TieGroup]
+    """This rank's tied parameters that span stages, with the group of their holders."""
 
     # ----------------------------------------------------------------------------- layout
     @property
@@ -112,7 +127,14 @@ class PipelineLayoutStrategy(DDPStrategy):
             return [list(st.ranks) for st in self.plan.stages]
         return self._manual.placement_for(self.world_size)
 
+    @property
+    def is_idle(self) -> bool:
+        """Whether the running plan leaves this rank idle (no stage, no compute)."""
+        return self.plan is not None and self.global_rank in self.plan.idle_ranks
+
     def _where(self) -> tuple[int, int]:
+        if self.is_idle:
+            return IDLE, 0
         for stage, ranks in enumerate(self.placement):
             if self.global_rank in ranks:
                 replica = ranks.index(self.global_rank) if self.num_replicas > 1 else 0
@@ -121,6 +143,7 @@ class PipelineLayoutStrategy(DDPStrategy):
 
     @property
     def stage_index(self) -> int:
+        """This rank's stage; ``IDLE`` (-1) when the plan leaves it idle."""
         return self._where()[0]
 
     @property
@@ -130,7 +153,7 @@ class PipelineLayoutStrategy(DDPStrategy):
     @property
     def _writes_shard(self) -> bool:
         """The first device of each stage holds what a checkpoint shard of the stage saves."""
-        return self.placement[self.stage_index][0] == self.global_rank
+        return not self.is_idle and self.placement[self.stage_index][0] == self.global_rank
 
     @property
     @override
@@ -168,14 +191,18 @@ class PipelineLayoutStrategy(DDPStrategy):
         self.plan = plan
         self.num_microbatches = plan.num_microbatches
         self.ranges = [st.block_range for st in plan.stages]
-        old_group = self._stage_group
+        old_groups = [self._stage_group, *(t.group for t in self._tie_groups)]
         self._stage_group = make_stage_groups(self.placement, self.stage_index)
-        if old_group is not None:
-            # Every rank has passed the collective new_group calls: nothing of it is in flight.
-            dist.destroy_process_group(old_group)
+        self._tie_groups = make_tie_groups(
+            self._ties, self.ranges, self.placement, self.stage_index
+        )
+        for old in old_groups:
+            if old is not None:
+                # Every rank has passed the collective new_group calls: nothing is in flight.
+                dist.destroy_process_group(old)
         self.stage = build_stage(module, spec, self.ranges, self.stage_index)
         self._split_module = module
-        start, end = self.ranges[self.stage_index]
+        start, end = self.stage.block_range
         self._synced_buffers = [
             buffer
             for found in batch_dependent_modules(spec.blocks)
@@ -185,15 +212,28 @@ class PipelineLayoutStrategy(DDPStrategy):
         self._park_other_blocks()
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if fitting:
+        if shards is None and not self.is_idle:
+            broadcast_initial_weights(
+                self.stage.blocks,
+                self.placement[self.stage_index],
+                self._stage_group,
+                self._tie_groups,
+            )
+        if fitting and self.is_idle:
+            # Nothing to optimise: Lightning's own stand-in for "no optimizer" keeps the loop
+            # (and its collectives, such as gradient clipping's norm) in step with the others.
+            self.optimizers, self.lr_scheduler_configs = [mock_optimizer()], []
+        elif fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         # Every device of a stage holds the same (all-reduced) gradient: the global-norm clip
         # counts each stage once.
-        self.precision_plugin.norm_share = 1.0 / len(  # type: ignore[attr-defined]
-            self.placement[self.stage_index]
-        )
-        if shards is not None:
+        devices = 1 if self.is_idle else len(self.placement[self.stage_index])
+        self.precision_plugin.norm_share = 1.0 / devices  # type: ignore[attr-defined]
+        self.precision_plugin.norm_shares = {  # type: ignore[attr-defined]
+            id(t.parameter): 1.0 / len(t.ranks) for t in self._tie_groups
+        }
+        if shards is not None and not self.is_idle:
             local = self._repartitioned(shards)
             module.load_state_dict(local["state_dict"], strict=True)
             for optimizer, state in zip(self.optimizers, local["optimizer_states"], strict=True):
@@ -218,10 +258,14 @@ class PipelineLayoutStrategy(DDPStrategy):
             shards,
             list(module.state_dict().keys()),
             list(zip(fresh, self._optimizer_param_names(), strict=True)),
+            tied=[tie.names for tie, _ in self._ties],
         )
 
     def _build_executors(self) -> None:
         assert self.stage is not None and self.spec is not None and self.plan is not None
+        if self.is_idle:
+            self._executor = self._eval_executor = self._predict_executor = None
+            return
         built = build_executors(
             self.plan,
             num_microbatches=self.num_microbatches,
@@ -369,7 +413,7 @@ class PipelineLayoutStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         shard = {
-            "state_dict": module.state_dict(),
+            "state_dict": self.lightning_module_state_dict(),
             "optimizer_states": [self.optimizer_state(opt) for opt in self.optimizers],
             "lr_schedulers": [c.scheduler.state_dict() for c in self.lr_scheduler_configs],
             "optimizer_param_names": self._optimizer_param_names(),
@@ -404,13 +448,19 @@ class PipelineLayoutStrategy(DDPStrategy):
         """Blocks this rank no longer runs keep their objects (a later re-plan puts them back
         and overwrites their weights) but free the accelerator: host memory, no gradients."""
         assert self.spec is not None
-        start, end = self.ranges[self.stage_index]
+        assert self.stage is not None
+        start, end = self.stage.block_range
+        local = {id(p) for p in self.stage.parameters()}
         for index, block in enumerate(self.spec.blocks):
             if start <= index < end:
                 continue
+            shared = False
             for p in block.parameters():
-                p.grad = None
-            if self.root_device.type != "cpu":
+                if id(p) in local:
+                    shared = True  # a tied parameter this stage runs: it stays
+                else:
+                    p.grad = None
+            if self.root_device.type != "cpu" and not shared:
                 block.to("cpu")
 
     @property
@@ -418,12 +468,14 @@ class PipelineLayoutStrategy(DDPStrategy):
         """This rank's transfers of the last training step (peer, bytes, seconds, direction)."""
         return [] if self._executor is None else list(self._executor.transport.records)
 
-    def _gathered_output(self, mine: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
-        """The last stage's output for this replica's whole batch, on every rank."""
+    def _gathered_output(self, mine: list[tuple[int, int, Any]]) -> Any:
+        """The last stage's output (a block value) for this replica's whole batch, on every
+        rank."""
         assert self.plan is not None
         plan, replica = self.plan, self.replica_index
         parts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(parts, [(i, row, t.cpu()) for i, row, t in mine])
+        on_host = apply_to_collection(mine, torch.Tensor, lambda t: t.cpu())
+        dist.all_gather_object(parts, on_host)
         pieces = [
             piece
             for rank, part in enumerate(parts)
@@ -431,7 +483,8 @@ class PipelineLayoutStrategy(DDPStrategy):
             for piece in part or []
         ]
         pieces.sort(key=lambda piece: (piece[0], piece[1]))
-        return torch.cat([t for _, _, t in pieces]).to(self.root_device)
+        whole = cat_values([value for _, _, value in pieces])
+        return apply_to_collection(whole, torch.Tensor, lambda t: t.to(self.root_device))
 
     def describe(self) -> str:
         """The partition and schedule, as printed at setup."""
@@ -442,10 +495,20 @@ class PipelineLayoutStrategy(DDPStrategy):
         """Global names of each optimizer's parameters in optimizer order (for re-partitioning)."""
         module = self.lightning_module
         assert module is not None
-        names = {id(p): n for n, p in module.named_parameters()}
+        canonical = canonical_names([tie for tie, _ in self._ties])
+        names = {id(p): canonical.get(n, n) for n, p in module.named_parameters()}
         return [
             [names[id(p)] for g in opt.param_groups for p in g["params"]] for opt in self.optimizers
         ]
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This stage's weights, without tied parameters another stage saves (kept once)."""
+        module = self.lightning_module
+        assert module is not None
+        return owned_state_dict(
+            module.state_dict(), [tie for tie, _ in self._ties], self.ranges, self.stage_index
+        )
 
     # ------------------------------------------------------------------------ checkpoints
     @property
@@ -464,6 +527,7 @@ class PipelineLayoutStrategy(DDPStrategy):
             "ranges": self.ranges,
             "schedule": self.schedule_kind,
             "num_microbatches": self.num_microbatches,
+            "tied": [list(tie.names) for tie, _ in self._ties],
         }
         target = Path(filepath)
         partial = partial_dir(target)
@@ -487,8 +551,24 @@ class PipelineLayoutStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: PATH, weights_only: bool | None = None) -> dict:
+        module = self.lightning_module
+        assert module is not None
+        if self.is_idle:  # holds nothing: the meta part only, and Lightning's empty entries
+            checkpoint = load_meta(Path(checkpoint_path))
+            checkpoint.update(
+                state_dict={}, optimizer_states=[{} for _ in self.optimizers], lr_schedulers=[]
+            )
+            return checkpoint
         checkpoint = load_sharded(
-            Path(checkpoint_path), stage_index=self.stage_index, expected_ranges=self.ranges
+            Path(checkpoint_path),
+            stage_index=self.stage_index,
+            expected_ranges=self.ranges,
+            fill_tied=tied_names_to_fill(
+                list(module.state_dict()),
+                [tie for tie, _ in self._ties],
+                self.ranges,
+                self.stage_index,
+            ),
         )
         shards = checkpoint.pop("deepcee_shards", None)
         if shards is not None:

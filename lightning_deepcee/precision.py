@@ -18,14 +18,17 @@ __all__ = ["PipelineMixedPrecision", "PipelinePrecision", "wrap_precision"]
 
 
 def _clip_global_norm(precision: Precision, optimizer: Optimizer, clip_val: float) -> None:
-    grads = [p.grad for p in precision.main_params(optimizer) if p.grad is not None]
+    params = [p for p in precision.main_params(optimizer) if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     squared = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        squared += g.detach().double().pow(2).sum()
-    # Every device sharing a stage holds the same (all-reduced) gradients: each contributes
-    # its share so the stage counts once in the global norm.
-    squared *= getattr(precision, "norm_share", 1.0)
+    # Every device holding a copy of a parameter (the devices sharing its stage, or every
+    # holder of a tied parameter) has the same all-reduced gradient: each contributes its
+    # share, so every parameter counts once in the global norm.
+    share = getattr(precision, "norm_share", 1.0)
+    shares = getattr(precision, "norm_shares", {})
+    for p, g in zip(params, grads, strict=True):
+        squared += g.detach().double().pow(2).sum() * shares.get(id(p), share)
     if dist.is_available() and dist.is_initialized():
         all_reduce_(squared)
     total = squared.sqrt()
@@ -39,6 +42,7 @@ class PipelinePrecision(Precision):
     """Full precision (``32-true``) with global-norm clipping across pipeline stages."""
 
     norm_share: float = 1.0
+    norm_shares: dict[int, float] = {}  # assigned per instance by the strategy, never mutated
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         _clip_global_norm(self, optimizer, float(clip_val))
@@ -48,6 +52,7 @@ class PipelineMixedPrecision(MixedPrecision):
     """``bf16-mixed`` autocast with global-norm clipping across pipeline stages."""
 
     norm_share: float = 1.0
+    norm_shares: dict[int, float] = {}  # assigned per instance by the strategy, never mutated
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         _clip_global_norm(self, optimizer, float(clip_val))

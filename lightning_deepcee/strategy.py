@@ -19,7 +19,6 @@ import gc
 import logging
 import os
 import socket
-import sys
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -43,6 +42,7 @@ from lightning_deepcee._compat import (
 )
 from lightning_deepcee.console import (
     format_cluster,
+    print_everywhere,
     summarise_whole_model,
     warn_once_per_job,
     warn_unrun_steps,
@@ -64,10 +64,8 @@ from lightning_deepcee.runtime.layout import (
     ManualLayout,
     batch_dependent_modules,
     batch_statistics_warning,
-    broadcast_buffers,
     call_with_output,
     manual_plan,
-    sum_gradients,
 )
 from lightning_deepcee.runtime.liveness import (
     Heartbeat,
@@ -77,6 +75,8 @@ from lightning_deepcee.runtime.liveness import (
     report_failure,
 )
 from lightning_deepcee.runtime.measure import model_fingerprint, profile_cluster, profile_or_load
+from lightning_deepcee.runtime.stage import tied_parameters
+from lightning_deepcee.runtime.ties import sync_copies
 from lightning_deepcee.runtime.transport import all_reduce_
 
 __all__ = ["DeepCEEStrategy"]
@@ -231,6 +231,7 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         self._split_module: Any = None
         """The module whose blocks ``build_stage`` split (a second setup of it restores them)."""
         self._synced_buffers: list[torch.Tensor] = []
+        self._ties, self._tie_groups = [], []  # tied parameters (typed in the base class)
         self._metric_name_list: list[str] | None = None
 
     # ------------------------------------------------------------------------------ setup
@@ -279,6 +280,10 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
             self.spec = get_pipeline_spec(module)
             qualified = {id(m): name for name, m in module.named_modules()}
             self._block_names = [qualified[id(block)] for block in self.spec.blocks]
+            self._ties = [
+                (tie, module.get_parameter(tie.names[0]))
+                for tie in tied_parameters(module, self.spec.blocks)
+            ]
         spec = self.spec
         assert spec is not None
         if self.profile and trainer.state.fn == TrainerFn.FITTING:
@@ -381,24 +386,28 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         return plan
 
     # ----------------------------------------------------------------------------- steps
-    def _run(self, executor: PipelineExecutor, batch: Any, prefix: str) -> torch.Tensor:
+    def _run(self, executor: PipelineExecutor | None, batch: Any, prefix: str) -> torch.Tensor:
         """Run one step of ``executor``; log and return the whole batch's loss on every rank.
 
         The loss and the module's ``metrics_fn`` metrics travel in one all-reduce (each rank
         holds its rows' weighted share); every rank logs them as ``<prefix>_loss`` and
-        ``<prefix>_<name>``, so whichever rank writes the logs has them.
+        ``<prefix>_<name>``, so whichever rank writes the logs has them. An idle rank (no
+        executor) computes nothing and adds zeros.
         """
         total = batch_size_of(batch)
-        micro = split_batch(batch, split_sizes(total, self.num_microbatches))
-        # Each rank weights its rows by rows / (samples of the step over all replicas), so the
-        # sums below (loss, stage gradients) are the whole-step means.
-        loss = executor.run(
-            micro,
-            total * self.num_replicas,
-            forward_context=self.precision_plugin.forward_context,
-        )
-        names = self._metric_names(executor)
-        shares = [float(executor.last_metrics.get(name, 0.0)) for name in names]
+        loss: torch.Tensor | None = None
+        if executor is not None:
+            micro = split_batch(batch, split_sizes(total, self.num_microbatches))
+            # Each rank weights its rows by rows / (samples of the step over all replicas), so
+            # the sums below (loss, stage gradients) are the whole-step means.
+            loss = executor.run(
+                micro,
+                total * self.num_replicas,
+                forward_context=self.precision_plugin.forward_context,
+            )
+        mine = {} if executor is None else executor.last_metrics
+        names = self._metric_names(mine)
+        shares = [float(mine.get(name, 0.0)) for name in names]
         figures = torch.tensor([0.0, *shares], dtype=torch.float64, device=self.root_device)
         if loss is not None:
             figures[0] = loss.detach().double()
@@ -416,11 +425,11 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
             module.log(f"{prefix}_{name}", metric, on_step=training, on_epoch=True)
         return value
 
-    def _metric_names(self, executor: PipelineExecutor) -> list[str]:
+    def _metric_names(self, metrics: dict[str, Any]) -> list[str]:
         """The names ``metrics_fn`` returns, agreed once by every rank (only last-stage ranks
         see them; the all-reduce needs the same list everywhere)."""
         if self._metric_name_list is None:
-            mine = sorted(executor.last_metrics)
+            mine = sorted(metrics)
             gathered: list[list[str] | None] = [None] * self.world_size
             dist.all_gather_object(gathered, mine)
             self._metric_name_list = sorted({n for part in gathered for n in part or []})
@@ -428,9 +437,7 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        assert self._executor is not None and self.stage is not None
-        module = self.lightning_module
-        assert module is not None
+        assert self.stage is not None
         params = self.stage.parameters()
         # With accumulate_grad_batches > 1 the parameters hold the earlier batches' sum: set it
         # aside so the schedule's gradients are this batch's alone, and put it back below.
@@ -440,26 +447,26 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         start = time.perf_counter()
         with self._failures_named():
             loss = self._run(self._executor, args[0] if args else kwargs["batch"], "train")
-            synced = 0.0
-            if self._stage_group is not None:
-                synced = time.perf_counter()
-                sum_gradients(params, self._stage_group)
-                broadcast_buffers(
-                    self._synced_buffers, self.placement[self.stage_index][0], self._stage_group
+            synced = 0.0  # 0 when no copy of this stage's parameters lives elsewhere
+            if self._stage_group is not None or self._tie_groups:
+                began = time.perf_counter()
+                first = self.placement[self.stage_index][0]
+                sync_copies(
+                    params, self._stage_group, self._tie_groups, self._synced_buffers, first
                 )
-                synced = time.perf_counter() - synced
+                synced = time.perf_counter() - began
         # Lightning zeroes gradients between training_step and backward: keep them aside.
         self._pending_grads = [p.grad for p in params]
         for p, g in zip(params, held, strict=True):
             p.grad = g
-        self.last_step_stats = self._executor.last_stats
+        self.last_step_stats = self._executor.last_stats if self._executor else StepStats()
         self.last_step_stats.wall_s = time.perf_counter() - start
         self.last_step_stats.grad_sync_s = synced
         return loss
 
     def _describe_rank(self, rank: int) -> str:
         stages = [s for s, ranks in enumerate(self.placement) if rank in ranks]
-        where = f"stage {stages[0]}" if stages else "no stage"
+        where = f"stage {stages[0]}" if stages else "idle"
         host = self._hosts[rank] if rank < len(self._hosts) else "?"
         return f"rank {rank} ({where}, host {host})"
 
@@ -490,7 +497,7 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
             describe=self._describe_rank,
             wait_s=LIVENESS_WAIT_S,
         )
-        _print_everywhere(f"[rank {self.global_rank}] {error}")
+        print_everywhere(f"[rank {self.global_rank}] {error}")
         return error
 
     @override
@@ -544,7 +551,6 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def _eval_step(self, name: str, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        assert self._eval_executor is not None
         with torch.no_grad(), self._failures_named():
             loss = self._run(self._eval_executor, args[0] if args else kwargs["batch"], name)
         return loss
@@ -561,14 +567,17 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's own ``predict_step``, with the pipeline's output for the batch standing
         in for ``forward``; every rank returns it (``trainer.predict`` gives rank 0's)."""
-        assert self._predict_executor is not None and self.spec is not None
+        assert self.spec is not None
         batch = args[0] if args else kwargs["batch"]
         executor = self._predict_executor
         with torch.no_grad(), self._failures_named():
-            total = batch_size_of(batch)
-            micro = split_batch(batch, split_sizes(total, self.num_microbatches))
-            executor.run(micro, total, forward_context=self.precision_plugin.forward_context)
-            output = self._gathered_output(executor.last_outputs)
+            mine: list[tuple[int, int, Any]] = []
+            if executor is not None:  # an idle rank has nothing to add
+                total = batch_size_of(batch)
+                micro = split_batch(batch, split_sizes(total, self.num_microbatches))
+                executor.run(micro, total, forward_context=self.precision_plugin.forward_context)
+                mine = executor.last_outputs
+            output = self._gathered_output(mine)
         module = self.lightning_module
         assert module is not None
         return call_with_output(
@@ -588,8 +597,3 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description="DeepCEE pipeline strategy", override=True
         )
-
-
-def _print_everywhere(message: str) -> None:
-    """Print on every rank (a lost-device error is news on each of them), to stderr."""
-    print(message, file=sys.stderr, flush=True)

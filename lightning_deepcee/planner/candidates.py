@@ -99,6 +99,9 @@ class SearchContext:
         self, structure: Structure, ranges: Ranges, schedule: str, m: int
     ) -> Candidate | None:
         evaluator = self.evaluator
+        arrays = evaluator.arrays
+        if arrays.parameter_prefix[-1] > 0 and any(arrays.parameter_bytes(r) == 0 for r in ranges):
+            return None  # a stage without parameters would have nothing to optimise
         b = self.global_batch_size / m
         in_flight = evaluator.in_flight_microbatches(schedule, len(structure), m)
         stages = []

@@ -15,8 +15,9 @@ A ``"compact"`` plan carries its schedule: the compact zero-bubble schedule is f
 cluster's costs, so the planner stores the compute actions of every stage
 (``stage_actions``) and every rank runs exactly those.
 
-Pure: standard library only (plus the schedule package). A plan always uses every rank of the
-cluster exactly once; block ranges are contiguous, in order, and cover every block.
+Pure: standard library only (plus the schedule package). A plan names every rank of the cluster
+exactly once: in one stage, or in ``idle_ranks`` (a device the plan leaves out because the
+cluster trains faster without it); block ranges are contiguous, in order, and cover every block.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from lightning_deepcee.schedule.generators import StageSchedule, generate
 from lightning_deepcee.schedule.lowering import lower
 from lightning_deepcee.schedule.validate import validate
 
-__all__ = ["SHARE_TOLERANCE", "Plan", "StagePlan"]
+__all__ = ["SHARE_TOLERANCE", "Plan", "StagePlan", "compact_ranks"]
 
 SHARE_TOLERANCE = 1e-6
 """How far the batch shares of one stage may sum away from 1."""
@@ -151,7 +152,7 @@ def _fields(data: object, cls: type, where: str) -> dict[str, Any]:
     return dict(data)
 
 
-def _compact_ranks(ranks: Sequence[int]) -> str:
+def compact_ranks(ranks: Sequence[int]) -> str:
     """``0,1,2,3,7`` -> ``0-3,7`` so that a stage of 128 devices fits on a line."""
     parts: list[str] = []
     start = previous = ranks[0]
@@ -204,6 +205,9 @@ class Plan:
     layout's ``num_stages`` below the process count). Every stage then lists one rank per
     replica, replica ``d`` running ``ranks[d]`` with equal shares. The planner's plans have one:
     devices sharing a stage split every micro-batch's rows instead."""
+    idle_ranks: tuple[int, ...] = ()
+    """Ranks of the cluster that hold no stage: they stay in the job (a later plan may use them)
+    but compute nothing. ``notes`` says why (the predicted step with and without them)."""
 
     def __post_init__(self) -> None:
         stages = self.stages
@@ -235,6 +239,14 @@ class Plan:
                         "each rank belongs to exactly one stage"
                     )
                 seen[rank] = index
+        idle = _int_tuple("idle_ranks", self.idle_ranks) if self.idle_ranks else ()
+        for rank in idle:
+            if rank in seen or rank < 0 or idle.count(rank) > 1:
+                raise ValueError(
+                    f"idle_ranks: rank {rank} is negative, listed twice, or in stage "
+                    f"{seen.get(rank)}; an idle rank holds no stage"
+                )
+        object.__setattr__(self, "idle_ranks", tuple(sorted(idle)))
         if self.schedule not in COST_AWARE_SCHEDULE_KINDS:
             raise ValueError(
                 f"schedule: expected one of {', '.join(COST_AWARE_SCHEDULE_KINDS)}, got "
@@ -359,8 +371,13 @@ class Plan:
 
     @property
     def ranks(self) -> tuple[int, ...]:
-        """Every rank of the plan, sorted."""
+        """Every rank that holds a stage, sorted (``idle_ranks`` are the others)."""
         return tuple(sorted(rank for stage in self.stages for rank in stage.ranks))
+
+    @property
+    def world_ranks(self) -> tuple[int, ...]:
+        """Every rank of the cluster the plan was made for: active and idle, sorted."""
+        return tuple(sorted((*self.ranks, *self.idle_ranks)))
 
     @property
     def microbatch_size(self) -> float:
@@ -391,15 +408,16 @@ class Plan:
     ) -> None:
         """Raise ``ValueError`` unless this (saved) plan fits the model and cluster of this run.
 
-        A plan fits when it covers exactly ``num_blocks`` blocks, uses each of the ranks
-        ``0..world_size-1`` exactly once, and (when given) both fingerprints are equal.
+        A plan fits when it covers exactly ``num_blocks`` blocks, names each of the ranks
+        ``0..world_size-1`` exactly once (in a stage or idle), and (when given) both
+        fingerprints are equal.
         """
         problems = []
         if self.num_blocks != num_blocks:
             problems.append(f"it covers {self.num_blocks} blocks but the model has {num_blocks}")
-        if list(self.ranks) != list(range(world_size)):
+        if list(self.world_ranks) != list(range(world_size)):
             problems.append(
-                f"it uses ranks {list(self.ranks)} but the world has {world_size} ranks "
+                f"it names ranks {list(self.world_ranks)} but the world has {world_size} ranks "
                 f"(0..{world_size - 1})"
             )
         if model_fingerprint is not None and model_fingerprint != self.model_fingerprint:
@@ -440,6 +458,7 @@ class Plan:
             "notes": self.notes,
             **({"stage_actions": list(self.stage_actions)} if self.stage_actions else {}),
             **({"num_replicas": self.num_replicas} if self.num_replicas != 1 else {}),
+            **({"idle_ranks": list(self.idle_ranks)} if self.idle_ranks else {}),
         }
 
     @classmethod
@@ -478,7 +497,7 @@ class Plan:
                 [
                     str(index),
                     f"{start}-{end - 1}",
-                    _compact_ranks(stage.ranks),
+                    compact_ranks(stage.ranks),
                     _compact_shares(stage.batch_shares),
                     f"{peak / 2**30:.2f}",
                 ]
@@ -496,6 +515,8 @@ class Plan:
         )
         if self.num_replicas > 1:
             summary += f" replicas={self.num_replicas}"
+        if self.idle_ranks:
+            summary += f" idle={compact_ranks(self.idle_ranks)}"
         out = [summary, *lines]
         if self.notes:
             out.append(f"notes: {self.notes}")

@@ -26,11 +26,17 @@ given the compact zero-bubble schedule fitted to their own costs
 (:mod:`lightning_deepcee.planner.compact_fit`), which replaces the generated schedule only where
 it is predicted faster.
 
+Before all that, the search chooses its devices: it runs on every device subset that
+:func:`~lightning_deepcee.planner.subsets.candidate_subsets` proposes (whole network groups or
+the slowest compute groups left out) and keeps the fastest prediction; the ranks a plan leaves
+out are its ``idle_ranks``, and its notes give the prediction with every device.
+
 Pure: numpy, scipy and the standard library (no torch, no lightning).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Sequence
@@ -40,11 +46,18 @@ import numpy as np
 from lightning_deepcee.planner.candidates import Candidate, SearchContext, Structure
 from lightning_deepcee.planner.compact_fit import fit_compact_pool
 from lightning_deepcee.planner.evaluator import Evaluator
-from lightning_deepcee.planner.plan import Plan
+from lightning_deepcee.planner.plan import Plan, compact_ranks
 from lightning_deepcee.planner.prediction import CostModelConfig
+from lightning_deepcee.planner.subsets import (
+    candidate_subsets,
+    compute_bound_s,
+    lift,
+    restrict,
+    sample_rates,
+)
 from lightning_deepcee.planner.units import network_units, search_units
 from lightning_deepcee.profiler.data import ClusterProfile
-from lightning_deepcee.profiler.grouping import GroupingConfig
+from lightning_deepcee.profiler.grouping import GroupingConfig, group_devices
 from lightning_deepcee.schedule.actions import format_actions
 from lightning_deepcee.schedule.compact import COST_AWARE_SCHEDULE_KINDS
 from lightning_deepcee.schedule.generators import SCHEDULE_KINDS
@@ -53,6 +66,16 @@ __all__ = ["DEFAULT_MAX_STAGES", "baseline_plans", "make_plan", "plan_search"]
 
 DEFAULT_MAX_STAGES = 16
 """Network groups beyond this many (or beyond the number of blocks) are merged by bandwidth."""
+
+
+MAX_SUBSET_SEARCHES = 12
+"""Device subsets :func:`plan_search` scores besides every device (the most promising)."""
+FULL_SEARCHES = 2
+"""Device sets (the best scored) that get the full search."""
+LARGE_CLUSTER = 64
+"""Beyond this many devices, half as many device sets are scored, each with one schedule, a beam
+of one and one refinement round, and only the best gets the full search (planning time stays
+near a minute at 1024 devices)."""
 
 
 def plan_search(
@@ -69,8 +92,9 @@ def plan_search(
     grouping: GroupingConfig | None = None,
     config: CostModelConfig | None = None,
     max_stages: int | None = None,
+    choose_devices: bool = True,
 ) -> Plan:
-    """Search for the plan with the lowest predicted step time.
+    """Search for the plan with the lowest predicted step time, on the best set of devices.
 
     Args:
         profile: the measured (or declared) cluster.
@@ -93,9 +117,12 @@ def plan_search(
         config: cost model constants.
         max_stages: most pipeline stages a DeepCEE candidate may have; more network groups are
             merged by bandwidth. Defaults to ``min(num_blocks, DEFAULT_MAX_STAGES)``.
+        choose_devices: also search device subsets and leave the others idle when that is
+            predicted faster; ``False`` plans on every device.
 
     Returns:
-        The best plan; its ``notes`` name the candidate kind and the baselines' predictions.
+        The best plan; its ``notes`` name the candidate kind and the baselines' predictions,
+        and, when it leaves devices idle, the prediction with every device.
 
     Raises:
         ValueError: bad arguments; a global batch smaller than every micro-batch count; no
@@ -103,6 +130,87 @@ def plan_search(
             model spread over ``num_blocks`` stages, is too large).
     """
     _check_request(profile, num_blocks, schedules)
+    search = functools.partial(
+        _search_devices,
+        num_blocks=num_blocks,
+        global_batch_size=global_batch_size,
+        schedules=schedules,
+        microbatch_candidates=microbatch_candidates,
+        beam_width=beam_width,
+        max_iter=max_iter,
+        memory_check=memory_check,
+        seed=seed,
+        grouping=grouping,
+        config=config,
+        max_stages=max_stages,
+    )
+    if not choose_devices or profile.num_devices == 1:
+        return search(profile)
+    # Every candidate device set gets a quick search (generated schedules, a narrow beam, few
+    # refinement rounds), most promising first and only while its compute bound can still beat
+    # the best quick plan; the best sets then get the full search.
+    generated = tuple(k for k in schedules if k != "compact")
+    large = profile.num_devices > LARGE_CLUSTER
+    quick = functools.partial(
+        search,
+        schedules=generated[:1] if large else generated,
+        beam_width=min(beam_width, 1 if large else 2),
+        max_iter=min(max_iter, 1 if large else 4),
+    )
+    full_searches = 1 if large else FULL_SEARCHES
+    everyone = tuple(range(profile.num_devices))
+    subsets = candidate_subsets(profile, group_devices(profile, grouping))
+    rates = sample_rates(profile)
+    bound = {ranks: compute_bound_s(rates, ranks, global_batch_size) for ranks in subsets}
+    most = MAX_SUBSET_SEARCHES // 2 if large else MAX_SUBSET_SEARCHES
+    order = [everyone, *sorted(subsets[1:], key=bound.__getitem__)[:most]]
+    scored: dict[tuple[int, ...], float] = {}
+    for ranks in order:
+        if scored and bound[ranks] >= min(scored.values()):
+            break
+        try:
+            scored[ranks] = quick(restrict(profile, ranks)).predicted_step_time_s
+        except ValueError:
+            continue  # this set cannot hold the model
+    if not scored:
+        return search(profile)  # raises the whole cluster's reason
+    finalists = sorted(scored, key=scored.__getitem__)[:full_searches]
+    full = {}
+    for ranks in finalists:
+        full[ranks] = search(restrict(profile, ranks))
+    best_ranks = min(full, key=lambda ranks: full[ranks].predicted_step_time_s)
+    best = full[best_ranks]
+    if best_ranks == everyone:
+        return best
+    if everyone in full:
+        with_every = f"{full[everyone].predicted_step_time_s * 1e3:.2f} ms"
+    else:
+        with_every = f"{scored[everyone] * 1e3:.2f} ms (quick search)"
+    idle = [r for r in everyone if r not in best_ranks]
+    notes = (
+        f"devices {compact_ranks(best_ranks)} ({len(idle)} idle: {compact_ranks(idle)}): predicted "
+        f"{best.predicted_step_time_s * 1e3:.2f} ms, with every device {with_every}; "
+        f"{best.notes}"
+    )
+    return lift(best, best_ranks, profile.num_devices, notes)
+
+
+def _search_devices(
+    profile: ClusterProfile,
+    *,
+    num_blocks: int,
+    global_batch_size: int,
+    schedules: Sequence[str],
+    microbatch_candidates: Sequence[int],
+    beam_width: int,
+    max_iter: int,
+    memory_check: bool,
+    seed: int,
+    grouping: GroupingConfig | None,
+    config: CostModelConfig | None,
+    max_stages: int | None,
+) -> Plan:
+    """:func:`plan_search` on every device of ``profile``."""
     if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
         raise ValueError(f"beam_width: expected a positive integer, got {beam_width!r}")
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:

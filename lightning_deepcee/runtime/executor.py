@@ -11,6 +11,12 @@ this rank holds (all of them in a plain pipeline; a share of them when devices o
 the work) and which pieces travel to which neighbour. A rank holding no rows of a micro-batch
 skips it.
 
+Block values: a stage's output may be a tensor or a tuple/list/dict of tensors
+(:mod:`~lightning_deepcee.runtime.values`). Its tensors travel one message each; the first
+message to each peer carries the value's structure (and which tensors need a gradient), and
+gradients come back for those tensors only. Both ends count the messages alike, so later steps
+need no description, and receives can still be posted ahead.
+
 Gradient exactness: the rows this rank holds of a micro-batch, ``n`` of the step's ``N`` samples
 (over every replica), have their mean loss scaled by ``n / N`` before backward, so gradients
 summed over micro-batches, devices and replicas equal the gradient of the whole-batch mean loss,
@@ -33,6 +39,14 @@ from lightning_deepcee._compat import stage_backward_input, stage_backward_weigh
 from lightning_deepcee.runtime.routing import Piece, Router
 from lightning_deepcee.runtime.stage import Stage, batch_size_of, split_batch
 from lightning_deepcee.runtime.transport import P2PTransport, PeerLostError
+from lightning_deepcee.runtime.values import (
+    Structure,
+    decode_structure,
+    detach_value,
+    encode_structure,
+    flatten_value,
+    value_rows,
+)
 from lightning_deepcee.schedule import Action, ActionKind, render
 
 __all__ = ["PipelineExecutionError", "PipelineExecutor", "StepStats"]
@@ -83,10 +97,16 @@ class _MicroBatchState:
     first_row: int = 0
     num_rows: int = 0
     weight: float = 1.0
-    input: torch.Tensor | None = None
+    input: Any = None
+    """The block value received from the previous stage."""
+    input_tensors: list[torch.Tensor] | None = None
+    """Its tensors that need a gradient (the ones the previous stage gets one for)."""
     output: torch.Tensor | None = None
-    output_grad: torch.Tensor | None = None
-    input_grad: torch.Tensor | None = None
+    """The last stage's weighted loss; None on other stages (their output is below)."""
+    output_tensors: list[torch.Tensor] | None = None
+    output_structure: Structure | None = None
+    output_grad: list[torch.Tensor] | None = None
+    input_grad: list[torch.Tensor | None] | None = None
     param_groups: list[dict[str, Any]] | None = None
     pending_full_backward: bool = False
 
@@ -111,10 +131,10 @@ class PipelineExecutor:
         actions: Sequence[Action],
         transport: P2PTransport,
         router: Router,
-        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
-        input_fn: Callable[[Any], torch.Tensor],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        input_fn: Callable[[Any], Any],
         rank: int,
-        metrics_fn: Callable[[torch.Tensor, Any], Mapping[str, torch.Tensor | float]] | None = None,
+        metrics_fn: Callable[[Any, Any], Mapping[str, torch.Tensor | float]] | None = None,
         keep_outputs: bool = False,
     ) -> None:
         self.stage = stage
@@ -126,7 +146,7 @@ class PipelineExecutor:
         self.metrics_fn = metrics_fn
         self.rank = rank
         self.keep_outputs = keep_outputs
-        self.last_outputs: list[tuple[int, int, torch.Tensor]] = []
+        self.last_outputs: list[tuple[int, int, Any]] = []
         """``keep_outputs`` (prediction): the last stage's outputs of the last step, as
         ``(micro-batch index, first row, output)``."""
         self.last_metrics: dict[str, torch.Tensor | float] = {}
@@ -137,6 +157,11 @@ class PipelineExecutor:
         # payload sizes of each kind apart (its receive-ahead slots).
         training = any(a.kind in (K.B, K.W, K.BW) for a in self.actions)
         self._kind = "train" if training else "predict" if keep_outputs else "eval"
+        self._sent: dict[int, Structure] = {}
+        """The structure of the output value sent to each next-stage peer (sent once)."""
+        self._received: dict[int, Structure] = {}
+        """The structure of the input value received from each previous-stage peer."""
+        self._runs = 0
 
     def run(
         self,
@@ -159,7 +184,9 @@ class PipelineExecutor:
         start, cpu_start = time.perf_counter(), time.thread_time()
         self.transport.records.clear()
         sources = self._sources(states) if self.transport.prefetch else []
-        self.transport.begin_step(self._kind, sources)
+        # The first step's messages cannot be counted ahead (structures travel in it): every
+        # rank posts nothing then.
+        self.transport.begin_step(self._kind, sources, post=self._runs > 0)
         loss: torch.Tensor | None = None
         self.last_metrics = {}
         self.last_outputs = []
@@ -188,19 +215,30 @@ class PipelineExecutor:
         stats.wall_s = time.perf_counter() - start
         stats.cpu_s = time.thread_time() - cpu_start
         self.last_stats = stats
+        self._runs += 1
         return loss
 
     def _sources(self, states: Sequence[_MicroBatchState]) -> list[int]:
-        """The sender of every message this step receives, in the order it receives them."""
+        """The sender of every message this step receives, in the order it receives them.
+
+        Counted from the structures the first step exchanged; a peer whose messages this rank
+        cannot count yet is left out (the transport then receives it as it comes).
+        """
         sources = []
+        first_sent = next(iter(self._sent.values()), None)
+        grads = sum(first_sent.differentiable) if first_sent is not None else None
         for action in self.actions:
             st = states[action.microbatch]
             if st.num_rows == 0:
                 continue
             if action.kind == K.RECV_F:
-                sources += [p.peer for p in self.router.prev_pieces(st.index)]
-            elif action.kind == K.RECV_B:
-                sources += [p.peer for p in self.router.next_pieces(st.index)]
+                for p in self.router.prev_pieces(st.index):
+                    if p.peer in self._received:
+                        sources += [p.peer] * self._received[p.peer].num_tensors
+            elif action.kind == K.RECV_B and grads is not None:
+                for p in self.router.next_pieces(st.index):
+                    if p.peer in self._sent:
+                        sources += [p.peer] * grads
         return sources
 
     def _state(self, index: int, microbatch: Any, total_rows: int) -> _MicroBatchState:
@@ -230,23 +268,30 @@ class PipelineExecutor:
         if kind == K.F:
             return self._forward(st, forward_context)
         if kind == K.RECV_F:
-            x = self._gather(self.router.prev_pieces(st.index), self.stage.stage_index - 1)
-            st.input = x.requires_grad_(torch.is_grad_enabled() and x.is_floating_point())
+            st.input, st.input_tensors = self._receive_value(st)
         elif kind == K.SEND_F:
-            assert st.output is not None
-            self._scatter(st.output, self.router.next_pieces(st.index))
+            assert st.output_tensors is not None and st.output_structure is not None
+            self._send_value(st.output_tensors, st.output_structure, st)
             if not torch.is_grad_enabled():
-                st.output = None
+                st.output_tensors = None
         elif kind == K.RECV_B:
+            assert st.output_structure is not None
+            count = sum(st.output_structure.differentiable)
             st.output_grad = self._gather(
-                self.router.next_pieces(st.index), self.stage.stage_index + 1
+                self.router.next_pieces(st.index), self.stage.stage_index + 1, count
             )
         elif kind == K.SEND_B:
-            assert st.input is not None
-            grad = st.input_grad if st.input_grad is not None else torch.zeros_like(st.input)
-            self._scatter(grad, self.router.prev_pieces(st.index))
+            assert st.input_tensors is not None
+            grads = st.input_grad or [None] * len(st.input_tensors)
+            self._scatter(
+                [
+                    g if g is not None else torch.zeros_like(t)
+                    for g, t in zip(grads, st.input_tensors, strict=True)
+                ],
+                self.router.prev_pieces(st.index),
+            )
             st.input_grad = None
-            st.input = None
+            st.input = st.input_tensors = None
         elif kind == K.BW:
             self._backward_full(st)
         elif kind == K.B:
@@ -255,21 +300,67 @@ class PipelineExecutor:
             self._backward_weight(st)
         return None
 
-    def _gather(self, pieces: Sequence[Piece], peer_stage: int) -> torch.Tensor:
+    def _recv(self, peer: int, peer_stage: int) -> torch.Tensor:
         try:
-            parts = [self.transport.recv(p.peer) for p in pieces]
+            return self.transport.recv(peer)
         except PeerLostError as exc:
             raise PeerLostError(
                 exc.peer,
                 f"lost rank {exc.peer} (stage {peer_stage}): it stopped answering; the device or "
                 f"its link is down. {exc}",
             ) from exc
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _scatter(self, tensor: torch.Tensor, pieces: Sequence[Piece]) -> None:
+    def _receive_value(self, st: _MicroBatchState) -> tuple[Any, list[torch.Tensor]]:
+        """The input value of micro-batch ``st`` from the previous stage's pieces, and its
+        tensors that need a gradient (made leaves that require one, when training)."""
+        peer_stage = self.stage.stage_index - 1
+        pieces = self.router.prev_pieces(st.index)
+        structure: Structure | None = None
         for p in pieces:
-            whole = p.start == 0 and p.end == tensor.shape[0]
-            self.transport.send(tensor if whole else tensor[p.start : p.end], p.peer)
+            if p.peer not in self._received:
+                self._received[p.peer] = decode_structure(self._recv(p.peer, peer_stage))
+            structure = self._received[p.peer]
+        assert structure is not None
+        tensors = self._gather(pieces, peer_stage, structure.num_tensors)
+        wanted = []
+        if torch.is_grad_enabled():
+            for index, (t, grad) in enumerate(zip(tensors, structure.differentiable, strict=True)):
+                if grad and t.is_floating_point():
+                    tensors[index] = t.requires_grad_(True)
+                    wanted.append(tensors[index])
+        return structure.rebuild(tensors), wanted
+
+    def _send_value(
+        self, tensors: Sequence[torch.Tensor], structure: Structure, st: _MicroBatchState
+    ) -> None:
+        """Send this rank's output tensors to the next stage's pieces; the structure goes first
+        to a peer that has not had it, and must not change afterwards."""
+        for p in self.router.next_pieces(st.index):
+            sent = self._sent.get(p.peer)
+            if sent is None:
+                self.transport.send(encode_structure(structure), p.peer)
+                self._sent[p.peer] = structure
+            elif sent != structure:
+                raise ValueError(
+                    f"the output of stage {self.stage.stage_index} (block "
+                    f"{self.stage.block_range[1] - 1}) changed structure between micro-batches "
+                    f"(first {sent.spec}, now {structure.spec}, or which tensors need gradients, "
+                    "or its constants); a block must return the same kind of value every time."
+                )
+        self._scatter(list(tensors), self.router.next_pieces(st.index))
+
+    def _gather(self, pieces: Sequence[Piece], peer_stage: int, count: int) -> list[torch.Tensor]:
+        """``count`` tensors from each piece's peer, joined by rows piece after piece."""
+        parts = [[self._recv(p.peer, peer_stage) for _ in range(count)] for p in pieces]
+        if len(parts) == 1:
+            return parts[0]
+        return [torch.cat(list(column)) for column in zip(*parts, strict=True)]
+
+    def _scatter(self, tensors: Sequence[torch.Tensor], pieces: Sequence[Piece]) -> None:
+        for p in pieces:
+            for tensor in tensors:
+                whole = p.start == 0 and p.end == tensor.shape[0]
+                self.transport.send(tensor if whole else tensor[p.start : p.end], p.peer)
 
     def _forward(
         self,
@@ -282,54 +373,71 @@ class PipelineExecutor:
         with forward_context():
             y = self.stage.forward(x)
             if not self.stage.is_last:
-                st.output = y
+                what = f"the output of block {self.stage.block_range[1] - 1}"
+                tensors, structure = flatten_value(y, what)
+                if value_rows(y, what) != st.num_rows:
+                    raise ValueError(
+                        f"{what} has {value_rows(y, what)} rows for a micro-batch of "
+                        f"{st.num_rows} samples; tensors passed between pipeline blocks keep "
+                        "the samples as dimension 0."
+                    )
+                st.output_tensors, st.output_structure = tensors, structure
                 return None
             if self.keep_outputs:
-                self.last_outputs.append((st.index, st.first_row, y.detach()))
+                self.last_outputs.append((st.index, st.first_row, detach_value(y)))
                 return None
             loss = self.loss_fn(y, st.batch)
         if self.metrics_fn is not None:
             with torch.no_grad():
-                for name, value in self.metrics_fn(y.detach(), st.batch).items():
+                for name, value in self.metrics_fn(detach_value(y), st.batch).items():
                     # Kept as tensors: reading them here would wait for the device every
                     # micro-batch; the strategy reads the step's sums once.
                     share = value * st.weight
                     self.last_metrics[name] = self.last_metrics.get(name, 0.0) + share
-        if loss.dim() != 0:
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(
-                f"loss_fn must return a scalar (the mean over the micro-batch), got shape "
-                f"{tuple(loss.shape)}."
+                f"loss_fn must return a scalar tensor (the mean over the micro-batch), got {shape}."
             )
         st.output = loss.float() * st.weight
         return st.output.detach()
 
-    def _grad_outputs(self, st: _MicroBatchState) -> torch.Tensor | None:
+    def _roots(self, st: _MicroBatchState) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """What the backward of micro-batch ``st`` starts from: the weighted loss on the last
+        stage; elsewhere the output tensors that need a gradient, with the arrived gradients."""
         if self.stage.is_last:
-            return None
-        if st.output_grad is None:
+            assert st.output is not None
+            return ([st.output] if st.output.requires_grad else []), None
+        if st.output_tensors is None or st.output_structure is None:
+            raise RuntimeError("backward before forward")
+        roots = [
+            t
+            for t, grad in zip(st.output_tensors, st.output_structure.differentiable, strict=True)
+            if grad
+        ]
+        if roots and st.output_grad is None:
             raise RuntimeError("backward before the output gradient arrived")
-        return st.output_grad
+        return roots, st.output_grad if roots else None
 
     def _backward_full(self, st: _MicroBatchState) -> None:
-        assert st.output is not None
-        if st.output.requires_grad:
-            torch.autograd.backward(st.output, self._grad_outputs(st))
-        if st.input is not None:
-            st.input_grad = st.input.grad
-        st.output = st.output_grad = None
+        roots, grads = self._roots(st)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        if st.input_tensors is not None:
+            st.input_grad = [t.grad for t in st.input_tensors]
+        st.output = st.output_tensors = st.output_grad = None
 
     def _backward_input(self, st: _MicroBatchState) -> None:
-        assert st.output is not None
-        if self.stage.is_first or st.input is None or not st.input.requires_grad:
-            # Nothing upstream needs a gradient: W runs the whole backward later.
+        roots, grads = self._roots(st)
+        if self.stage.is_first or not st.input_tensors or not roots:
+            # Nothing upstream needs a gradient (or none flows): W runs the whole backward later.
             st.pending_full_backward = True
             return
-        grad_out = self._grad_outputs(st)
         dinputs, st.param_groups = stage_backward_input(
-            [st.output], None if grad_out is None else [grad_out], [st.input], self._params()
+            roots, grads, st.input_tensors, self._params()
         )
-        st.input_grad = dinputs[0]
-        st.output = st.output_grad = None
+        st.input_grad = list(dinputs)
+        st.output = st.output_tensors = st.output_grad = None
 
     def _backward_weight(self, st: _MicroBatchState) -> None:
         if st.pending_full_backward:

@@ -54,6 +54,7 @@ __all__ = [
     "manual_plan",
     "stage_layouts",
     "sum_gradients",
+    "unbound_gloo_default_group",
 ]
 
 Ranges = list[tuple[int, int]]
@@ -219,7 +220,7 @@ def stage_layouts(plan: Plan, rank: int) -> list[StageLayout]:
 
 
 @contextmanager
-def _unbound_gloo_default_group() -> Iterator[None]:
+def unbound_gloo_default_group() -> Iterator[None]:
     """Create gloo subgroups as if the default group were bound to no device.
 
     Lightning binds the default group to the rank's GPU (``device_id``) whatever the backend,
@@ -244,7 +245,7 @@ def make_stage_groups(placement: Sequence[Sequence[int]], stage_index: int) -> A
     """Create every shared stage's process group (collective: all ranks, same order); return
     this rank's (``None`` when its stage has one device)."""
     mine = None
-    with _unbound_gloo_default_group():
+    with unbound_gloo_default_group():
         for s, ranks in enumerate(placement):
             group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
             if s == stage_index:
@@ -303,7 +304,7 @@ def build_executors(
 
 def call_with_output(
     module: torch.nn.Module,
-    output: torch.Tensor,
+    output: Any,
     batch: Any,
     input_fn: Callable[[Any], Any],
     step: Callable[..., Any],
@@ -315,7 +316,7 @@ def call_with_output(
     pipeline's output; calling it on anything else raises, since only that ran."""
     expected = input_fn(batch)
 
-    def forward(*f_args: Any, **f_kwargs: Any) -> torch.Tensor:
+    def forward(*f_args: Any, **f_kwargs: Any) -> Any:
         x = f_args[0] if f_args else next(iter(f_kwargs.values()), None)
         same = x is batch or x is expected
         if not same and isinstance(x, torch.Tensor) and isinstance(expected, torch.Tensor):

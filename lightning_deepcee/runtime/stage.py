@@ -8,12 +8,15 @@ A LightningModule takes part in a pipeline by adding one method::
             loss_fn=lambda logits, batch: F.cross_entropy(logits.flatten(0, 1), batch[1].flatten()),
         )
 
-``blocks`` are the model's sub-modules in execution order; each takes one tensor and returns one
-tensor, and every trainable parameter lives in exactly one block. The first block receives
-``input_fn(micro_batch)`` (by default the first element of a tuple/list batch, or ``batch["input"]``
-of a dict). ``loss_fn(output, micro_batch)`` must return the *mean* loss over the samples of the
-micro-batch: the runtime weights each micro-batch by its share of the batch, so the step applies
-the gradient of the whole-batch mean, exactly as a single device would.
+``blocks`` are the model's sub-modules in execution order; each takes the previous block's return
+value (a tensor, or a tuple/list/dict of tensors: :mod:`~lightning_deepcee.runtime.values`), and
+every trainable parameter belongs to a block. A parameter may belong to several blocks (tied
+embeddings): :func:`tied_parameters` finds them, and stages holding copies keep them equal.
+The first block receives ``input_fn(micro_batch)`` (by default the first element of a
+tuple/list batch, or ``batch["input"]`` of a dict). ``loss_fn(output, micro_batch)`` must
+return the *mean* loss over the samples of the micro-batch: the runtime weights each micro-batch
+by its share of the batch, so the step applies the gradient of the whole-batch mean, exactly as
+a single device would.
 
 :func:`build_stage` replaces the blocks other stages own by ``nn.Identity`` inside the module, so
 the rank's ``state_dict`` keeps the global parameter names (shards merge by plain dict union) and
@@ -32,14 +35,21 @@ from torch import nn
 from lightning_deepcee.runtime.rows import split_sizes
 
 __all__ = [
+    "IDLE",
     "PipelineSpec",
     "Stage",
+    "TiedParameter",
     "build_stage",
     "default_input_fn",
     "get_pipeline_spec",
     "split_batch",
     "split_sizes",
+    "tied_parameters",
 ]
+
+
+IDLE = -1
+"""The stage index of a rank that holds no stage (a plan's ``idle_ranks``)."""
 
 
 def default_input_fn(batch: Any) -> torch.Tensor:
@@ -61,9 +71,10 @@ class PipelineSpec:
     """How a LightningModule splits into a pipeline; returned by ``configure_pipeline()``.
 
     Attributes:
-        blocks: sub-modules in execution order; one tensor in, one tensor out.
+        blocks: sub-modules in execution order; each is called with the previous block's return
+            value: a tensor, or a tuple/list/dict of tensors with the samples as dimension 0.
         loss_fn: ``loss_fn(output_of_last_block, micro_batch) -> scalar`` mean over the samples.
-        input_fn: ``input_fn(micro_batch) -> tensor`` fed to the first block.
+        input_fn: ``input_fn(micro_batch)``: the value fed to the first block.
         tokens_fn: optional ``tokens_fn(batch) -> int`` counting tokens, for tokens/s.
         metrics_fn: optional ``metrics_fn(output_of_last_block, micro_batch) -> {name: mean}``,
             the module's own metrics as means over the micro-batch's samples (e.g.
@@ -74,10 +85,10 @@ class PipelineSpec:
     """
 
     blocks: Sequence[nn.Module]
-    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]
-    input_fn: Callable[[Any], torch.Tensor] = default_input_fn
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    input_fn: Callable[[Any], Any] = default_input_fn
     tokens_fn: Callable[[Any], int] | None = None
-    metrics_fn: Callable[[torch.Tensor, Any], Mapping[str, torch.Tensor | float]] | None = None
+    metrics_fn: Callable[[Any, Any], Mapping[str, torch.Tensor | float]] | None = None
 
 
 _CONTRACT_HINT = """\
@@ -89,7 +100,8 @@ Add one method to {name}:
             loss_fn=lambda output, batch: F.cross_entropy(output, batch[1]),  # mean over samples
         )
 
-Each block takes one tensor and returns one tensor; every parameter belongs to one block."""
+Each block takes the previous block's return value (a tensor, or a tuple/list/dict of tensors);
+every parameter belongs to a block."""
 
 
 def get_pipeline_spec(module: nn.Module) -> PipelineSpec:
@@ -136,15 +148,40 @@ def _check_blocks(module: nn.Module, blocks: list[nn.Module], name: str) -> None
             "pipeline block, so no stage would train them. Put the modules that own them into "
             "PipelineSpec.blocks."
         )
-    owner: dict[int, int] = {}
-    for i, block in enumerate(blocks):
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """A parameter that several blocks use (tied weights, e.g. GPT-2's embedding and head).
+
+    Attributes:
+        names: every name it has in the unsplit module's ``state_dict``; the first is the one
+            ``named_parameters()`` reports (the canonical name, under which checkpoints keep it).
+        blocks: indices of the blocks that use it, ascending.
+    """
+
+    names: tuple[str, ...]
+    blocks: tuple[int, ...]
+
+    def stages(self, ranges: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+        """The stages whose blocks use it under ``ranges`` (ascending)."""
+        return tuple(s for s, (a, b) in enumerate(ranges) if any(a <= i < b for i in self.blocks))
+
+
+def tied_parameters(module: nn.Module, blocks: Sequence[nn.Module]) -> list[TiedParameter]:
+    """Every parameter used by more than one block of ``blocks`` (call on the unsplit module)."""
+    users: dict[int, list[int]] = {}
+    for index, block in enumerate(blocks):
         for p in block.parameters():
-            if owner.setdefault(id(p), i) != i:
-                raise ValueError(
-                    f"{name}: a parameter is shared by blocks {owner[id(p)]} and {i} (tied "
-                    "weights). Tied weights across blocks are not supported; untie them or "
-                    "put both users into one block."
-                )
+            users.setdefault(id(p), []).append(index)
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [
+        TiedParameter(tuple(names[pid]), tuple(used))
+        for pid, used in users.items()
+        if len(used) > 1
+    ]
 
 
 @dataclass
@@ -165,16 +202,20 @@ class Stage:
         return self.stage_index == self.num_stages - 1
 
     def parameters(self) -> list[nn.Parameter]:
-        return [p for b in self.blocks for p in b.parameters() if p.requires_grad]
+        """Trainable parameters of the stage, each once (a tied one may appear in two blocks)."""
+        seen: set[int] = set()
+        params = []
+        for block in self.blocks:
+            for p in block.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return params
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, block in enumerate(self.blocks):
+    def forward(self, x: Any) -> Any:
+        """Run the blocks in order, each on the previous one's return value."""
+        for block in self.blocks:
             x = block(x)
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(
-                    f"Block {self.block_range[0] + i} returned {type(x).__name__}; pipeline "
-                    "blocks must return one tensor."
-                )
         return x
 
 
@@ -184,9 +225,12 @@ def build_stage(
     ranges: Sequence[tuple[int, int]],
     stage_index: int,
 ) -> Stage:
-    """Keep the blocks of ``stage_index`` in ``module``; replace all others by ``nn.Identity``."""
+    """Keep the blocks of ``stage_index`` in ``module``; replace all others by ``nn.Identity``.
+
+    ``stage_index=IDLE``: a rank the plan leaves idle keeps no block.
+    """
     blocks = list(spec.blocks)
-    start, end = ranges[stage_index]
+    start, end = ranges[stage_index] if stage_index != IDLE else (0, 0)
     names = {id(m): qual for qual, m in module.named_modules()}
     for i, block in enumerate(blocks):
         if start <= i < end:

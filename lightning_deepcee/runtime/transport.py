@@ -19,7 +19,8 @@ pair saw that size, so both know the slot without asking). The sender fills the 
 smaller payload) and sends any bytes beyond it on the third tag, which the receiver then fetches
 as before; a message with no slot yet (the first step) goes whole on that tag. Sizes may
 therefore change freely; only unchanged sizes are received ahead. Every rank must use the same
-setting.
+setting. A source the step did not announce (its receiver could not yet count its messages) is
+received when needed, and its sizes recorded, so that both ends still agree on the next slots.
 
 A payload received ahead arrives while this rank computes, so the rank cannot time it when it
 takes it. One *timer* thread per source of the step waits on that source's posted receives in
@@ -191,6 +192,7 @@ class P2PTransport:
     both ends of a pair record the same figures, so both know the next step's slot sizes."""
     _counts: dict[tuple[str, int], int] = field(default_factory=dict, init=False, repr=False)
     _posted: dict[int, deque[_Posted]] = field(default_factory=dict, init=False, repr=False)
+    _announced: set[int] = field(default_factory=set, init=False, repr=False)
     _timers: list[threading.Thread] = field(default_factory=list, init=False, repr=False)
 
     def _wire_device(self) -> torch.device:
@@ -208,17 +210,20 @@ class P2PTransport:
         self._counts[(direction, peer)] = index + 1
         return (self._step, direction, peer, index)
 
-    def begin_step(self, kind: str, sources: Sequence[int]) -> None:
+    def begin_step(self, kind: str, sources: Sequence[int], *, post: bool = True) -> None:
         """Start a step of ``kind`` that receives from ``sources`` (in order); post them all.
 
         With ``prefetch`` on gloo, every expected message gets its header receive and, when the
         same message of the last step of this ``kind`` had ``n`` payload bytes, an ``n``-byte
         payload slot, posted now; senders fill the slot (bytes beyond it follow separately).
-        Without ``prefetch`` (or on NCCL) nothing is posted and receives block as they come.
+        Without ``prefetch`` (or on NCCL), or with ``post=False`` (every rank alike, e.g. on a
+        first step whose messages nobody can count yet), nothing is posted and receives block as
+        they come. Sources missing from ``sources`` are received as they come too.
         """
         self._counts.clear()
         self._posted.clear()
-        if not self.prefetch or dist.get_backend(self.group) != dist.Backend.GLOO:
+        self._announced = set(sources)
+        if not post or not self.prefetch or dist.get_backend(self.group) != dist.Backend.GLOO:
             self._step = None
             return
         self._step = kind
@@ -299,8 +304,10 @@ class P2PTransport:
         """Block until the next tensor from global rank ``src`` has arrived and return it."""
         start = time.perf_counter()
         try:
-            if self._slotted():
+            if self._slotted() and src in self._announced:
                 buf, wire_s = self._take_posted(src)
+            elif self._slotted():
+                buf, wire_s = self._receive_unannounced(src)
             else:
                 buf, wire_s = self._receive(src)
         except RuntimeError as exc:
@@ -326,6 +333,23 @@ class P2PTransport:
         buf = torch.empty(shape, dtype=dtype, device=wire)
         dist.recv(buf, src, group=self.group, tag=_REST_TAG)
         return buf, time.perf_counter() - arrived
+
+    def _receive_unannounced(self, src: int) -> tuple[torch.Tensor, float]:
+        """A message from a source the step did not announce: the sender may still use a slot
+        (from an earlier step's size), so it is received as a posted one would be, now."""
+        key = self._next_key("recv", src)
+        wire = self._wire_device()
+        header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=wire)
+        header_work = dist.irecv(header, src, group=self.group, tag=_HEADER_TAG)
+        size = self._sizes.get(key, 0)
+        slot, slot_work = None, None
+        if size > 0:
+            slot = torch.empty(size, dtype=torch.uint8, device=wire)
+            slot_work = dist.irecv(slot, src, group=self.group, tag=_SLOT_TAG)
+        entry = _Posted(header, header_work, slot, slot_work, key)
+        _stamp_arrivals([entry])
+        self._posted.setdefault(src, deque()).append(entry)
+        return self._take_posted(src)
 
     def _take_posted(self, src: int) -> tuple[torch.Tensor, float]:
         """Take the next posted receive from ``src``: the payload and its seconds on the wire."""

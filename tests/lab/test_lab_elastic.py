@@ -14,6 +14,7 @@ python -m pytest tests/lab/test_lab_elastic.py -m lab -q
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -75,7 +76,10 @@ def test_lost_device_then_restart_on_fewer_devices(lab_store: StateStore, tmp_pa
     assert (work / "killed_at.txt").is_file(), dump
     by_name = {d.name: d for d in first.devices}
     for name in ("cloud0", "cloud1"):
-        assert "lost rank 2 (stage" in logs[name], f"{name} did not name the lost device\n{dump}"
+        # edge0 holds a stage, or the plan left it idle (the cloud pair alone is faster): either
+        # way its loss is named.
+        named = re.search(r"lost rank 2 \((stage \d+|idle), host edge0\)", logs[name])
+        assert named, f"{name} did not name the lost device\n{dump}"
         assert "host edge0)" in logs[name], dump
         assert "its heartbeat stopped" in logs[name], dump
         assert by_name[name].returncode not in (0, None), dump

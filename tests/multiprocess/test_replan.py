@@ -191,7 +191,7 @@ def _check_moves(tmp_path: Path, loose: float = 1.0) -> None:
         errors = moves["errors"]
         assert len(errors) == 3, errors
         assert "covers 5 blocks but the model has 6" in errors[0]
-        assert "uses ranks [0, 1] but the world has 3 ranks" in errors[1]
+        assert "names ranks [0, 1] but the world has 3 ranks" in errors[1]
         assert "ranks [1, 2] passed another plan than rank 0" in errors[2]
         manual = _rank(tmp_path / "manual", rank)["plan"]
         assert manual == Plan.from_json(tmp_path / "e.json").to_dict()

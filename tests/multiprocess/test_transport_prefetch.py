@@ -92,3 +92,48 @@ def test_receives_run_ahead_of_the_schedule(tmp_path: Path, prefetch: bool) -> N
     # loopback moves these few bytes in well under the sender's delay.
     for step_wire in result["wire"]:
         assert all(w is not None and 0 <= w < SEND_DELAY_S / 2 for w in step_wire), result
+
+
+def _unannounced_worker(rank: int, init: str, out: str) -> None:
+    """Step 2 repeats step 1's sizes but the receiver announces nothing (it could not count its
+    messages): the sender still fills its slots, and the receiver must take them as they come;
+    step 3, announced again, is received ahead with the sizes step 2 recorded."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    store = default_store()
+    transport = P2PTransport(torch.device("cpu"), prefetch=True)
+    changed = [(6, 4), (2,), (2, 2, 2)]  # one payload outgrows its slot, one pads it
+    steps = [STEPS[0], STEPS[1], changed, changed]
+    ahead, exact = [], True
+    for step, shapes in enumerate(steps):
+        if rank == 0:
+            transport.begin_step("train", [])
+            for index, shape in enumerate(shapes):
+                transport.send(_tensor(step, index, shape), 1)
+            transport.wait_sends()
+            store.set(f"sent{step}", "1")
+        else:
+            announced = [] if step == 2 else [0] * len(shapes)
+            transport.begin_step("train", announced)
+            if announced:
+                try:
+                    store.wait([f"sent{step}"], timedelta(seconds=3))
+                    ahead.append(True)
+                except Exception:
+                    ahead.append(False)
+            for index, shape in enumerate(shapes):
+                got, want = transport.recv(0), _tensor(step, index, shape)
+                exact &= got.dtype == want.dtype and torch.equal(got, want)
+        transport.end_step()
+        dist.barrier()
+    if rank == 1:
+        Path(out, "result.json").write_text(json.dumps(dict(ahead=ahead, exact=exact)))
+    dist.destroy_process_group()
+
+
+def test_a_source_the_step_did_not_announce_is_received_as_it_comes(tmp_path: Path) -> None:
+    init = f"file://{tmp_path / 'store'}"
+    mp.spawn(_unannounced_worker, args=(init, str(tmp_path)), nprocs=2, join=True)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["exact"]
+    # Steps 0, 1, 3 were announced: no slots yet, then ahead, then ahead with step 2's sizes.
+    assert result["ahead"] == [False, True, True]

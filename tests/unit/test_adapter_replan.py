@@ -243,7 +243,7 @@ def test_check_plan_refuses_a_plan_that_does_not_fit_before_anything_moves() -> 
     strategy.check_plan(_dp_plan((0, 1, 2)))  # fits
     with pytest.raises(ValueError, match="covers 5 blocks but the model has 6"):
         strategy.check_plan(_dp_plan((0, 1, 2), blocks=5))
-    with pytest.raises(ValueError, match=r"uses ranks \[0, 1\] but the world has 3 ranks"):
+    with pytest.raises(ValueError, match=r"names ranks \[0, 1\] but the world has 3 ranks"):
         strategy.check_plan(_dp_plan((0, 1)))
     with pytest.raises(ValueError, match="model structure changed"):
         strategy.check_plan(_dp_plan((0, 1, 2), fingerprint="another model"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -316,3 +317,143 @@ def test_blocks_are_timed_in_a_pipeline_stages_order() -> None:
     timed = log[log.index("F0", 1) :]  # after the untimed forward that makes each block's input
     first_pass = timed[: timed.index("W0") + 1]
     assert first_pass == ["F0", "F1", "F2", "B2", "B1", "W2", "W1", "W0"], log
+
+
+# Blocks passing block values: hidden states with a bool mask and a float gate the next block uses.
+_T, _H = 6, 12
+
+
+def _pack(kind: str, hidden: torch.Tensor, mask: torch.Tensor, gate: torch.Tensor) -> Any:
+    if kind == "tuple":
+        return (hidden, mask, gate)
+    return {"h": hidden, "mask": mask, "gate": gate, "causal": True, "note": None}
+
+
+def _unpack(kind: str, value: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if kind == "tuple":
+        hidden, mask, gate = value
+        return hidden, mask, gate
+    assert value["causal"] is True and value["note"] is None  # constants come through
+    return value["h"], value["mask"], value["gate"]
+
+
+class _EmbedMasked(nn.Module):
+    """Block 0: ``(ids, mask)`` in; hidden states, the mask and a float gate out."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.embedding = nn.Embedding(50, _H)
+        self.gate = nn.Linear(_H, 1)
+
+    def forward(self, value: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        ids, mask = value
+        hidden = self.embedding(ids)
+        return _pack(self.kind, hidden, mask, torch.sigmoid(self.gate(hidden)).squeeze(-1))
+
+
+class _MaskedMix(nn.Module):
+    """A middle block: uses hidden states, mask and gate; passes the mask on, makes a new gate.
+
+    Logs the ``requires_grad`` of each input it is timed on, and whether a gradient reached
+    the gate (``B`` must differentiate every floating-point input, not only the first)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.linear = nn.Linear(_H, _H)
+        self.seen: set[tuple[bool, bool, bool]] = set()
+        self.gate_grads = 0
+
+    def forward(self, value: Any) -> Any:
+        hidden, mask, gate = _unpack(self.kind, value)
+        self.seen.add((hidden.requires_grad, mask.requires_grad, gate.requires_grad))
+        if gate.requires_grad:
+            gate.register_hook(self._count)
+        mixed = torch.tanh(self.linear(hidden)) * gate.unsqueeze(-1) * mask.unsqueeze(-1)
+        return _pack(self.kind, mixed, mask, gate * 0.5 + 0.25)
+
+    def _count(self, grad: torch.Tensor) -> None:
+        self.gate_grads += 1
+
+
+class _MaskedHead(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.proj = nn.Linear(_H, 7)
+
+    def forward(self, value: Any) -> torch.Tensor:
+        hidden, mask, gate = _unpack(self.kind, value)
+        weights = (mask.float() * gate).unsqueeze(-1)
+        return self.proj((hidden * weights).sum(1) / weights.sum(1).clamp_min(1e-6))
+
+
+def _masked_model(kind: str) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [_EmbedMasked(kind), _MaskedMix(kind), _MaskedMix(kind), _MaskedHead(kind)]
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict"])
+@pytest.mark.parametrize("with_loss", [False, True])
+def test_blocks_passing_tuples_and_dicts_are_measured(kind: str, with_loss: bool) -> None:
+    blocks = _masked_model(kind)
+    before = _snapshot(blocks)
+    ids = torch.randint(0, 50, (8, _T))
+    mask = torch.rand(8, _T) > 0.3
+    targets = torch.randint(0, 7, (8,))
+    options: dict[str, Any] = dict(repeats=2, warmup=1, sustain_s=0.0)
+    if with_loss:
+        options.update(
+            loss_fn=lambda out, batch: nn.functional.cross_entropy(out, batch[2]),
+            sample_batch=(ids, mask, targets),
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the quarter-size slice of every block value works
+        t = measure_blocks(blocks, (ids, mask), **options)
+    assert t.num_blocks == 4 and t.microbatch_size == 8 and len(t.fixed_s) == 4
+    assert all(f > 0 for f in t.forward_s)
+    assert t.backward_input_s[0] == 0  # block 0's input is data
+    assert all(b > 0 for b in t.backward_input_s[1:])
+    assert all(w > 0 for w in t.backward_weight_s)
+    # Per sample: float32 hidden states, a bool mask and a float32 gate, constants free.
+    value_bytes = _T * _H * 4 + _T * 1 + _T * 4
+    assert t.activation_bytes == (value_bytes, value_bytes, value_bytes, 7 * 4)
+    for block in blocks[1:3]:
+        assert isinstance(block, _MaskedMix)
+        # Timed with gradients on the floating-point leaves only, never on the bool mask
+        # (the untimed pass that builds the inputs runs without gradients).
+        assert block.seen == {(False, False, False), (True, False, True)}
+        assert block.gate_grads > 0
+    _assert_untouched(blocks, before)
+
+
+class _ReturnsObject(nn.Module):
+    def forward(self, x: torch.Tensor) -> object:
+        return type("Opaque", (), {"x": x})()
+
+
+class _ReturnsTupleWithObject(nn.Module):
+    def forward(self, x: torch.Tensor) -> object:
+        return (x, {"extra": object()})
+
+
+class _DropsRows(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x[:1]
+
+
+def test_a_block_value_that_is_not_tensors_names_the_block() -> None:
+    sample = torch.randn(4, 3)
+    with pytest.raises(TypeError, match=r"the output of blocks\[1\] \(_ReturnsObject\) holds"):
+        measure_blocks([nn.Linear(3, 3), _ReturnsObject(), nn.Linear(3, 3)], sample)
+    with pytest.raises(
+        TypeError, match=r"blocks\[0\] \(_ReturnsTupleWithObject\) holds a object at \[1\]"
+    ):
+        measure_blocks([_ReturnsTupleWithObject(), nn.Identity()], sample)
+    with pytest.raises(ValueError, match=r"blocks\[0\] \(_DropsRows\) has tensors whose first"):
+        measure_blocks([_DropsRows(), nn.Identity()], sample)
+    with pytest.raises(TypeError, match="sample_input holds a"):
+        measure_blocks([nn.Identity()], (sample, object()))
+    with pytest.raises(ValueError, match="sample_input: expected a tensor"):
+        measure_blocks([nn.Identity()], {"n": 3})

@@ -3,7 +3,8 @@
 :func:`measure_blocks` times each block split exactly like the executor splits it
 (``stage_backward_input`` / ``stage_backward_weight``), then corrects the fastest figures into a
 training step's: the per-call cost a smaller micro-batch cannot shrink, the sustained speed under
-a CPU quota, an optimizer step's rate, and the median over rounds.
+a CPU quota, an optimizer step's rate, and the median over rounds. Blocks may pass block values
+(a tensor, or tuples/lists/dicts of them: ``runtime/values.py``) from one to the next.
 
 Runtime layer: torch, never lightning.
 """
@@ -32,6 +33,13 @@ from lightning_deepcee.runtime.measure.passes import (
     sync_device,
     time_pass,
 )
+from lightning_deepcee.runtime.values import (
+    flatten_value,
+    slice_value,
+    tensor_leaves,
+    value_bytes,
+    value_rows,
+)
 
 __all__ = ["BlockTimings", "measure_blocks"]
 
@@ -47,11 +55,11 @@ class BlockTimings:
     backward_weight_s: tuple[float, ...]
     """Seconds of each block's weight gradient (``W``); the whole backward when ``B`` is 0."""
     activation_bytes: tuple[int, ...]
-    """Bytes of each block's output per sample (rounded up)."""
+    """Bytes of each block's output per sample (all its tensors, rounded up)."""
     parameter_bytes: tuple[int, ...]
     """Bytes of each block's parameters."""
     microbatch_size: int
-    """Samples in the measured micro-batch (``sample_input.shape[0]``)."""
+    """Samples in the measured micro-batch (the rows of ``sample_input``'s tensors)."""
     fixed_s: tuple[float, ...] = ()
     """Per block, the part of its F+B+W seconds that does not shrink with the micro-batch: the
     intercept of the line through the totals at ``microbatch_size`` and at a quarter of it (two
@@ -77,7 +85,7 @@ class BlockTimings:
 
 def measure_blocks(
     blocks: Sequence[nn.Module],
-    sample_input: torch.Tensor,
+    sample_input: Any,
     *,
     loss_fn: LossFn | None = None,
     sample_batch: Any = None,
@@ -86,25 +94,27 @@ def measure_blocks(
     sustain_s: float = 0.5,
     rounds: int = 1,
 ) -> BlockTimings:
-    """Time forward, ``B`` and ``W`` of each block on one micro-batch, on ``sample_input.device``.
+    """Time forward, ``B`` and ``W`` of each block on one micro-batch, on its tensors' device.
 
-    Block ``i`` gets the output of block ``i-1`` (block 0 gets ``sample_input``). Each block runs
+    Block ``i`` is called on the output of block ``i-1`` (block 0 on ``sample_input``): a block
+    value, i.e. a tensor or a nested tuple/list/dict of tensors whose dimension 0 is the
+    micro-batch's rows (``None``, numbers and strings allowed as constants). Each block runs
     ``warmup`` untimed then ``repeats`` timed iterations, each a pass over all blocks in a
     pipeline stage's order (every F, then every B last block first, then every W; see
     :func:`time_pass`); the fastest is kept (the burst speed, see below). Backward starts
-    from a random gradient of the block output's shape, except for the last block when
-    ``loss_fn`` is given: then its forward includes
-    ``loss_fn(output, sample_batch)`` and its backward starts from that loss, as in the last
-    pipeline stage.
+    from a random gradient for every output tensor that requires one, except for the last block
+    when ``loss_fn`` is given: then its forward includes ``loss_fn(output, sample_batch)`` and
+    its backward starts from that loss, as in the last pipeline stage.
 
     A block whose input needs no gradient has ``B = 0`` and ``W`` = its whole backward. That is
     always block 0 (the data, token ids or features, never needs a gradient; the executor runs
-    the first stage's backward whole) and any block fed a non-floating-point tensor.
+    the first stage's backward whole) and any block fed no floating-point tensor. ``B`` is the
+    gradient of every floating-point input tensor (a bool mask passed along needs none).
 
     Two more figures make the times predict a training step rather than a micro-benchmark:
 
     - **Fixed cost.** With two or more samples, every block is timed again on a quarter of the
-      micro-batch (rows sliced from ``sample_input`` and from every tensor of ``sample_batch``
+      micro-batch (rows sliced from every block's input and from every tensor of ``sample_batch``
       with the same leading size). The line through the two *totals* over all blocks gives the
       per-call cost a smaller micro-batch cannot shrink, shared out as ``fixed_s`` in proportion
       to each block's time at the small size (one fit over the sum: per-block lines through two
@@ -177,7 +187,7 @@ def _median_timings(rounds: Sequence[BlockTimings]) -> BlockTimings:
 
 def _measure_round(
     blocks: list[nn.Module],
-    sample_input: torch.Tensor,
+    sample_input: Any,
     loss_fn: LossFn | None,
     sample_batch: Any,
     repeats: int,
@@ -185,9 +195,9 @@ def _measure_round(
     sustain_s: float,
 ) -> BlockTimings:
     """One round of :func:`measure_blocks` (arguments already checked)."""
-    device = sample_input.device
+    device = tensor_leaves(sample_input)[0].device
     rng_devices = [device.index or 0] if device.type == "cuda" else []
-    size = len(sample_input)
+    size = value_rows(sample_input, "sample_input")
     with RestoredState(blocks), torch.random.fork_rng(devices=rng_devices):
         inputs = block_inputs(blocks, sample_input)
         fastest = block_fastest(blocks, inputs, loss_fn, sample_batch, repeats, warmup)
@@ -195,7 +205,8 @@ def _measure_round(
         small_fastest = None
         if small < size:
             small_batch = slice_rows(sample_batch, size, small)
-            small_inputs = [value[:small] for value in inputs]
+            # The blocks' inputs only: the last output is not an input, and may hold a scalar.
+            small_inputs = [slice_value(value, 0, small) for value in inputs[:-1]]
             try:
                 small_fastest = block_fastest(
                     blocks, small_inputs, loss_fn, small_batch, repeats, warmup
@@ -218,9 +229,7 @@ def _measure_round(
                 time_pass(blocks, inputs, loss_fn, sample_batch)
                 passes += 1
             factor = max(1.0, (time.perf_counter() - start) / passes / burst)
-        activation = [
-            math.ceil(output.numel() * output.element_size() / size) for output in inputs[1:]
-        ]
+        activation = [math.ceil(value_bytes(output) / size) for output in inputs[1:]]
         optimizer = _optimizer_s_per_byte(blocks, repeats, warmup)
     return BlockTimings(
         forward_s=tuple(f * factor for f, _, _ in fastest),
@@ -321,12 +330,14 @@ def _check_measure_arguments(
     for index, block in enumerate(blocks):
         if not isinstance(block, nn.Module):
             raise ValueError(f"blocks[{index}]: expected an nn.Module, got {type(block).__name__}")
-    if not isinstance(sample_input, torch.Tensor) or sample_input.dim() == 0:
+    tensors, _ = flatten_value(sample_input, "sample_input")  # TypeError for a foreign leaf
+    if not tensors or any(t.dim() == 0 for t in tensors):
+        shapes = [tuple(t.shape) for t in tensors] or type(sample_input).__name__
         raise ValueError(
-            "sample_input: expected a tensor with a leading batch dimension, got "
-            f"{getattr(sample_input, 'shape', type(sample_input).__name__)}"
+            "sample_input: expected a tensor (or a tuple/list/dict of tensors) with a leading "
+            f"batch dimension, got {shapes}"
         )
-    if len(sample_input) == 0:
+    if value_rows(sample_input, "sample_input") == 0:
         raise ValueError("sample_input: expected a micro-batch of at least 1 sample, got 0")
     if loss_fn is not None and sample_batch is None:
         raise ValueError("sample_batch: required with loss_fn (the loss reads targets from it)")

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -27,7 +26,7 @@ __all__ = ["profile_or_load"]
 def profile_or_load(
     path: str | os.PathLike[str],
     blocks: Sequence[nn.Module],
-    sample_input: torch.Tensor,
+    sample_input: Any,
     *,
     group: dist.ProcessGroup | None = None,
     **options: Any,

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_deepcee._compat import tree_map
 from lightning_deepcee.profiler.data import (
     ClusterProfile,
     DeviceProfile,
@@ -84,7 +85,7 @@ def device_identities(
 
 def profile_cluster(
     blocks: Sequence[nn.Module],
-    sample_input: torch.Tensor,
+    sample_input: Any,
     *,
     loss_fn: LossFn | None = None,
     sample_batch: Any = None,
@@ -103,17 +104,17 @@ def profile_cluster(
 
     Collective over ``group``. ``blocks`` is the full model (every rank holds all of it before
     partitioning), already on ``device`` (default: the device of the first parameter).
-    ``sample_input`` is one reference micro-batch (moved to
-    ``device``; ``sample_batch``, read only by ``loss_fn``, is not moved). ``budget_s`` bounds the
-    network measurement (:func:`measure_network`); ``rounds`` is :func:`measure_blocks`' (the
-    median of that many measurements); the device kind comes from ``$DEEPCEE_DEVICE_KIND``
-    (default: the torch device type).
+    ``sample_input`` is the first block's input value for one reference micro-batch (its tensors
+    moved to ``device``; ``sample_batch``, read only by ``loss_fn``, is not moved). ``budget_s``
+    bounds the network measurement (:func:`measure_network`); ``rounds`` is
+    :func:`measure_blocks`' (the median of that many measurements); the device kind comes from
+    ``$DEEPCEE_DEVICE_KIND`` (default: the torch device type).
     """
     device = _device_of(blocks, device)
     hosts, model_fp = device_identities(blocks, group)
     timings = measure_blocks(
         blocks,
-        sample_input.to(device),
+        tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, sample_input),
         loss_fn=loss_fn,
         sample_batch=sample_batch,
         repeats=repeats,

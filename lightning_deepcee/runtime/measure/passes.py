@@ -4,6 +4,9 @@
 (``W``) as a stage runs them; :func:`block_fastest` keeps each figure's fastest over repeated
 passes. The helpers build the blocks' inputs and leave the model as it was found.
 
+What flows between blocks is a *block value* (``runtime/values.py``): one tensor, or a nested
+tuple/list/dict of tensors with the micro-batch's rows as dimension 0 (constants allowed).
+
 Runtime layer: torch, never lightning.
 """
 
@@ -17,16 +20,17 @@ import torch
 from torch import nn
 
 from lightning_deepcee._compat import stage_backward_input, stage_backward_weight, tree_map
+from lightning_deepcee.runtime.values import flatten_value, tensor_leaves, value_rows
 
 __all__ = ["LossFn"]
 
-LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]
 """What ``loss_fn`` is called as: ``loss_fn(last_block_output, sample_batch) -> loss``."""
 
 
 def block_fastest(
     blocks: Sequence[nn.Module],
-    inputs: Sequence[torch.Tensor],
+    inputs: Sequence[Any],
     loss_fn: LossFn | None,
     sample_batch: Any,
     repeats: int,
@@ -108,19 +112,30 @@ def parameter_bytes(block: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in block.parameters())
 
 
-def block_inputs(blocks: Sequence[nn.Module], sample_input: torch.Tensor) -> list[torch.Tensor]:
-    """Inputs of every block, then the last output: ``len(blocks) + 1`` detached tensors."""
-    values = [sample_input.detach()]
+def block_inputs(blocks: Sequence[nn.Module], sample_input: Any) -> list[Any]:
+    """Inputs of every block, then the last output: ``len(blocks) + 1`` detached block values.
+
+    Raises ``TypeError`` for an output holding something other than tensors and constants, and
+    ``ValueError`` for one without a tensor, or (between blocks) whose tensors' rows disagree.
+    """
+    values = [_detached(sample_input, "sample_input")]
+    last = len(blocks) - 1
     with torch.no_grad():
         for index, block in enumerate(blocks):
-            output = block(values[-1])
-            if not isinstance(output, torch.Tensor):
-                raise ValueError(
-                    f"blocks[{index}] ({type(block).__name__}): expected a tensor output (one "
-                    f"tensor flows between pipeline stages), got {type(output).__name__}"
-                )
-            values.append(output.detach())
+            what = f"the output of blocks[{index}] ({type(block).__name__})"
+            output = _detached(block(values[-1]), what)
+            if index != last:  # travels to the next block: split by rows in a pipeline
+                value_rows(output, what)
+            elif not tensor_leaves(output):
+                raise ValueError(f"{what} holds no tensor; a block value needs at least one.")
+            values.append(output)
     return values
+
+
+def _detached(value: Any, what: str) -> Any:
+    """``value`` with every tensor leaf detached; ``what`` names it in a ``TypeError``."""
+    tensors, structure = flatten_value(value, what)
+    return structure.rebuild([t.detach() for t in tensors])
 
 
 def sync_device(device: torch.device) -> None:
@@ -130,7 +145,7 @@ def sync_device(device: torch.device) -> None:
 
 def time_pass(
     blocks: Sequence[nn.Module],
-    inputs: Sequence[torch.Tensor],
+    inputs: Sequence[Any],
     loss_fn: LossFn | None,
     sample_batch: Any,
 ) -> list[tuple[float, float, float]]:
@@ -142,49 +157,54 @@ def time_pass(
     more than profiled (``docs/profiler.md``). The pass holds one micro-batch's activations of
     every block at once, as a device training the whole model would.
 
-    Block 0 (whose input is data) and any block fed a non-floating-point tensor have ``B = 0``;
-    their ``W`` is their whole backward, run in the W phase, as the executor runs a first stage.
+    Every floating-point tensor of a block's input needs a gradient, except block 0's (data).
+    A block whose input has none has ``B = 0``; its ``W`` is its whole backward, run in the W
+    phase, as the executor runs a first stage. Backward starts from a random gradient for every
+    output tensor that requires one (the last block's loss, when ``loss_fn`` is given, from 1).
     """
-    device = inputs[0].device
+    device = tensor_leaves(inputs[0])[0].device
     last = len(blocks) - 1
     state = []
     forward = []
     for index, block in enumerate(blocks):
-        value = inputs[index]
-        needs_input_grad = index > 0 and value.is_floating_point()
-        x = value.detach().requires_grad_(needs_input_grad)
+        leaves, structure = flatten_value(inputs[index], f"the input of blocks[{index}]")
+        xs = [t.detach().requires_grad_(index > 0 and t.is_floating_point()) for t in leaves]
+        x = structure.rebuild(xs)
         sync_device(device)
         start = time.perf_counter()
         output = block(x)
-        root = output if loss_fn is None or index != last else loss_fn(output, sample_batch)
+        loss = None if loss_fn is None or index != last else loss_fn(output, sample_batch)
         sync_device(device)
         forward.append(time.perf_counter() - start)
-        grad = torch.randn_like(root) if root is output else None  # a loss starts from 1
+        if loss is None:
+            roots = [t for t in tensor_leaves(output) if t.requires_grad]
+            grads: list[torch.Tensor] | None = [torch.randn_like(root) for root in roots]
+        else:  # a loss starts from 1
+            roots, grads = ([loss] if loss.requires_grad else []), None
+        needs_grad = [leaf for leaf in xs if leaf.requires_grad]
         params = [p for p in block.parameters() if p.requires_grad]
-        # Whether to differentiate at all is read now: B detaches the root in place.
-        state.append((x, root, grad, params, needs_input_grad, root.requires_grad))
+        # Whether to differentiate at all is read now: B detaches the roots in place.
+        state.append((needs_grad, roots, grads, params, bool(roots)))
     backward = [0.0] * len(blocks)
     groups: list[Any] = [None] * len(blocks)
     for index in reversed(range(len(blocks))):
-        x, root, grad, params, needs_input_grad, differentiable = state[index]
-        if not differentiable or not needs_input_grad:
+        needs_grad, roots, grads, params, differentiable = state[index]
+        if not differentiable or not needs_grad:
             continue
         start = time.perf_counter()
-        _, groups[index] = stage_backward_input(
-            [root], None if grad is None else [grad], [x], iter(params)
-        )
+        _, groups[index] = stage_backward_input(roots, grads, needs_grad, iter(params))
         sync_device(device)
         backward[index] = time.perf_counter() - start
     weight = [0.0] * len(blocks)
     for index in reversed(range(len(blocks))):
-        _, root, grad, params, needs_input_grad, differentiable = state[index]
+        needs_grad, roots, grads, params, differentiable = state[index]
         if not differentiable:
             continue
         start = time.perf_counter()
-        if needs_input_grad:
+        if needs_grad:
             stage_backward_weight(iter(params), groups[index])
         else:
-            torch.autograd.backward(root, grad)
+            torch.autograd.backward(roots, grads)
         sync_device(device)
         weight[index] = time.perf_counter() - start
     return list(zip(forward, backward, weight, strict=True))
