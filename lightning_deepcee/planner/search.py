@@ -73,9 +73,8 @@ MAX_SUBSET_SEARCHES = 12
 FULL_SEARCHES = 2
 """Device sets (the best scored) that get the full search."""
 LARGE_CLUSTER = 64
-"""Beyond this many devices, half as many device sets are scored, each with one schedule, a beam
-of one and one refinement round, and only the best gets the full search (planning time stays
-near a minute at 1024 devices)."""
+"""Beyond this many devices, half as many device sets are scored and only the best gets the full
+search (planning time stays under a minute at 1024 devices)."""
 
 
 def plan_search(
@@ -146,16 +145,13 @@ def plan_search(
     )
     if not choose_devices or profile.num_devices == 1:
         return search(profile)
-    # Every candidate device set gets a quick search (generated schedules, a narrow beam, few
-    # refinement rounds), most promising first and only while its compute bound can still beat
+    # Every candidate device set gets a quick search (one generated schedule, a beam of one, one
+    # refinement round), most promising first and only while its compute bound can still beat
     # the best quick plan; the best sets then get the full search.
     generated = tuple(k for k in schedules if k != "compact")
     large = profile.num_devices > LARGE_CLUSTER
     quick = functools.partial(
-        search,
-        schedules=generated[:1] if large else generated,
-        beam_width=min(beam_width, 1 if large else 2),
-        max_iter=min(max_iter, 1 if large else 4),
+        search, schedules=generated[:1], beam_width=1, max_iter=min(max_iter, 1)
     )
     full_searches = 1 if large else FULL_SEARCHES
     everyone = tuple(range(profile.num_devices))

@@ -118,8 +118,8 @@ def _save_state(trainer: pl.Trainer, model: TinyNet, path: Path) -> None:
     """Parameters, Adam state and learning rate per global parameter name, plus what happened."""
     strategy: Any = trainer.strategy
     names = strategy._optimizer_param_names()[0]
-    state = strategy.optimizers[0].state_dict()
-    index_lr = [(i, g["lr"]) for g in state["param_groups"] for i in g["params"]]
+    state = strategy.optimizers[0].state_dict()  # {} on a rank the plan left idle
+    index_lr = [(i, g["lr"]) for g in state.get("param_groups", []) for i in g["params"]]
     adam = {
         name: {k: v.detach().cpu().clone() for k, v in state["state"][i].items()}
         for (i, _), name in zip(index_lr, names, strict=True)
