@@ -30,14 +30,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LightningCLI
 from torch import nn
-from torch.nn import functional as F
-from torchmetrics.functional import accuracy
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import lightning_deepcee  # noqa: F401  (registers strategy="deepcee")
 from lightning_deepcee import PipelineSpec
-from lightning_deepcee.demo import ShakespeareDataModule
+from lightning_deepcee.demo import ShakespeareDataModule, lm_loss, token_accuracy
 
 __all__ = ["HFGPT2", "CausalGPT2Block", "PositionEmbedding", "causal_mask", "main"]
 
@@ -99,18 +97,6 @@ class _Transformer(nn.Module):
         self.ln_f = hf.transformer.ln_f
 
 
-def _lm_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
-    """Next-token cross entropy, a mean over the micro-batch's tokens."""
-    return F.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
-
-
-def _token_accuracy(logits: torch.Tensor, batch: Any) -> torch.Tensor:
-    """Share of next tokens predicted right, a mean over the micro-batch's tokens."""
-    return accuracy(
-        logits.flatten(0, 1), batch[1].flatten(), task="multiclass", num_classes=logits.shape[-1]
-    )
-
-
 class HFGPT2(pl.LightningModule):
     """GPT-2 from ``transformers`` (random weights). Batches are ``(tokens, next_tokens)``.
 
@@ -165,10 +151,10 @@ class HFGPT2(pl.LightningModule):
         t = self.transformer
         return PipelineSpec(
             blocks=[t.wte, t.wpe, *t.h, t.ln_f, self.lm_head],
-            loss_fn=_lm_loss,
+            loss_fn=lm_loss,
             tokens_fn=lambda batch: int(batch[0].numel()),
             # Logged as train_acc / val_acc, as validation_step logs it under other strategies.
-            metrics_fn=lambda logits, batch: {"acc": _token_accuracy(logits, batch)},
+            metrics_fn=lambda logits, batch: {"acc": token_accuracy(logits, batch)},
         )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -187,16 +173,16 @@ class HFGPT2(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         logits = self(batch[0])
-        loss = _lm_loss(logits, batch)
+        loss = lm_loss(logits, batch)
         self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True)
-        self.log("train_acc", _token_accuracy(logits, batch), on_step=True, on_epoch=True)
+        self.log("train_acc", token_accuracy(logits, batch), on_step=True, on_epoch=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         logits = self(batch[0])
-        loss = _lm_loss(logits, batch)
+        loss = lm_loss(logits, batch)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        self.log("val_acc", _token_accuracy(logits, batch), sync_dist=True)
+        self.log("val_acc", token_accuracy(logits, batch), sync_dist=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -26,12 +26,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LightningCLI
 from torch import nn
-from torch.nn import functional as F
-from torchmetrics.functional import accuracy
 
 import lightning_deepcee  # noqa: F401  (registers strategy="deepcee")
 from lightning_deepcee import PipelineSpec
-from lightning_deepcee.demo import SyntheticImageDataModule
+from lightning_deepcee.demo import SyntheticImageDataModule, class_accuracy, class_loss
 
 __all__ = ["BasicBlock", "ResNet", "ResNet18Classifier", "main", "resnet18", "torchvision_resnet18"]
 
@@ -151,14 +149,6 @@ class GlobalAvgPoolFlatten(nn.AdaptiveAvgPool2d):
         return torch.flatten(super().forward(x), 1)
 
 
-def _loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
-    return F.cross_entropy(logits, batch[1])
-
-
-def _accuracy(logits: torch.Tensor, batch: Any) -> torch.Tensor:
-    return accuracy(logits, batch[1], task="multiclass", num_classes=logits.shape[-1])
-
-
 class ResNet18Classifier(pl.LightningModule):
     """ResNet-18 for ``(B, 3, H, W)`` images and integer labels ``(B,)``.
 
@@ -205,9 +195,9 @@ class ResNet18Classifier(pl.LightningModule):
         stem = [self.conv1, self.bn1, self.relu, self.maxpool]
         return PipelineSpec(
             blocks=[*stem, *self.residual_blocks(), self.avgpool, self.fc],
-            loss_fn=_loss,
+            loss_fn=class_loss,
             # Logged as train_acc / val_acc, as validation_step logs it under other strategies.
-            metrics_fn=lambda logits, batch: {"acc": _accuracy(logits, batch)},
+            metrics_fn=lambda logits, batch: {"acc": class_accuracy(logits, batch)},
         )
 
     def residual_blocks(self) -> list[nn.Module]:
@@ -224,16 +214,16 @@ class ResNet18Classifier(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         logits = self(batch[0])
-        loss = _loss(logits, batch)
+        loss = class_loss(logits, batch)
         self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True)
-        self.log("train_acc", _accuracy(logits, batch), on_step=True, on_epoch=True)
+        self.log("train_acc", class_accuracy(logits, batch), on_step=True, on_epoch=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         logits = self(batch[0])
-        loss = _loss(logits, batch)
+        loss = class_loss(logits, batch)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        self.log("val_acc", _accuracy(logits, batch), prog_bar=True, sync_dist=True)
+        self.log("val_acc", class_accuracy(logits, batch), prog_bar=True, sync_dist=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -4,8 +4,14 @@ They are ordinary LightningModules that also train with DDP; the only addition D
 ``configure_pipeline``.
 """
 
-from lightning_deepcee.demo.cnn import ConvNet, SyntheticImageDataModule, synthetic_images
-from lightning_deepcee.demo.gpt import GPT, GPTConfig
+from lightning_deepcee.demo.cnn import (
+    ConvNet,
+    SyntheticImageDataModule,
+    class_accuracy,
+    class_loss,
+    synthetic_images,
+)
+from lightning_deepcee.demo.gpt import GPT, GPTConfig, lm_loss, token_accuracy
 from lightning_deepcee.demo.text import ShakespeareDataModule, load_shakespeare
 
 __all__ = [
@@ -14,6 +20,10 @@ __all__ = [
     "GPTConfig",
     "ShakespeareDataModule",
     "SyntheticImageDataModule",
+    "class_accuracy",
+    "class_loss",
+    "lm_loss",
     "load_shakespeare",
     "synthetic_images",
+    "token_accuracy",
 ]

@@ -24,7 +24,13 @@ from torchmetrics.functional import accuracy
 
 from lightning_deepcee.runtime.stage import PipelineSpec
 
-__all__ = ["ConvNet", "SyntheticImageDataModule", "synthetic_images"]
+__all__ = [
+    "ConvNet",
+    "SyntheticImageDataModule",
+    "class_accuracy",
+    "class_loss",
+    "synthetic_images",
+]
 
 
 def _groups(channels: int) -> int:
@@ -68,11 +74,13 @@ class _Head(nn.Module):
         return self.fc(x.mean(dim=(2, 3)))
 
 
-def _loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+def class_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+    """Cross entropy of the labels ``batch[1]``, a mean over the micro-batch."""
     return F.cross_entropy(logits, batch[1])
 
 
-def _accuracy(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+def class_accuracy(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+    """Share of labels ``batch[1]`` predicted right, a mean over the micro-batch."""
     return accuracy(logits, batch[1], task="multiclass", num_classes=logits.shape[-1])
 
 
@@ -111,9 +119,9 @@ class ConvNet(pl.LightningModule):
         """The one addition DeepCEEStrategy needs: stem, residual blocks, head."""
         return PipelineSpec(
             blocks=[self.stem, *self.layers, self.head],
-            loss_fn=_loss,
+            loss_fn=class_loss,
             # Logged as train_acc / val_acc, as validation_step logs it in one process.
-            metrics_fn=lambda logits, batch: {"acc": _accuracy(logits, batch)},
+            metrics_fn=lambda logits, batch: {"acc": class_accuracy(logits, batch)},
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,15 +131,15 @@ class ConvNet(pl.LightningModule):
         return self.head(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = _loss(self(batch[0]), batch)
+        loss = class_loss(self(batch[0]), batch)
         self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         logits = self(batch[0])
-        loss = _loss(logits, batch)
+        loss = class_loss(logits, batch)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        self.log("val_acc", _accuracy(logits, batch), prog_bar=True, sync_dist=True)
+        self.log("val_acc", class_accuracy(logits, batch), prog_bar=True, sync_dist=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

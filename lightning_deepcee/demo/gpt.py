@@ -18,7 +18,7 @@ from torchmetrics.functional import accuracy
 
 from lightning_deepcee.runtime.stage import PipelineSpec
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "lm_loss", "token_accuracy"]
 
 
 @dataclass(frozen=True)
@@ -77,11 +77,12 @@ class _Head(nn.Module):
         return self.out(self.ln(x))
 
 
-def _lm_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+    """Next-token cross entropy, a mean over the micro-batch's tokens."""
     return F.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
 
 
-def _token_accuracy(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+def token_accuracy(logits: torch.Tensor, batch: Any) -> torch.Tensor:
     """Share of next tokens predicted right (a mean over the micro-batch's tokens)."""
     return accuracy(
         logits.flatten(0, 1), batch[1].flatten(), task="multiclass", num_classes=logits.shape[-1]
@@ -118,10 +119,10 @@ class GPT(pl.LightningModule):
         """The one addition DeepCEEStrategy needs."""
         return PipelineSpec(
             blocks=[self.embed, *self.blocks, self.head],
-            loss_fn=_lm_loss,
+            loss_fn=lm_loss,
             tokens_fn=lambda batch: int(batch[0].numel()),
             # Logged as train_acc / val_acc, as validation_step logs it in one process.
-            metrics_fn=lambda logits, batch: {"acc": _token_accuracy(logits, batch)},
+            metrics_fn=lambda logits, batch: {"acc": token_accuracy(logits, batch)},
         )
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -131,15 +132,15 @@ class GPT(pl.LightningModule):
         return self.head(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = _lm_loss(self(batch[0]), batch)
+        loss = lm_loss(self(batch[0]), batch)
         self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         logits = self(batch[0])
-        loss = _lm_loss(logits, batch)
+        loss = lm_loss(logits, batch)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        self.log("val_acc", _token_accuracy(logits, batch), sync_dist=True)
+        self.log("val_acc", token_accuracy(logits, batch), sync_dist=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

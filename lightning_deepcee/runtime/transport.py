@@ -227,19 +227,8 @@ class P2PTransport:
             self._step = None
             return
         self._step = kind
-        wire = self._wire_device()
         for src in sources:
-            key = self._next_key("recv", src)
-            header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=wire)
-            header_work = dist.irecv(header, src, group=self.group, tag=_HEADER_TAG)
-            size = self._sizes.get(key, 0)
-            slot, slot_work = None, None
-            if size > 0:
-                slot = torch.empty(size, dtype=torch.uint8, device=wire)
-                slot_work = dist.irecv(slot, src, group=self.group, tag=_SLOT_TAG)
-            self._posted.setdefault(src, deque()).append(
-                _Posted(header, header_work, slot, slot_work, key)
-            )
+            self._posted.setdefault(src, deque()).append(self._post(src))
         self._counts.clear()  # the receives' keys are in the posted entries; sends count anew
         for src, entries in self._posted.items():
             timer = threading.Thread(
@@ -334,9 +323,9 @@ class P2PTransport:
         dist.recv(buf, src, group=self.group, tag=_REST_TAG)
         return buf, time.perf_counter() - arrived
 
-    def _receive_unannounced(self, src: int) -> tuple[torch.Tensor, float]:
-        """A message from a source the step did not announce: the sender may still use a slot
-        (from an earlier step's size), so it is received as a posted one would be, now."""
+    def _post(self, src: int) -> _Posted:
+        """Post the next message from ``src``: its header and, when the same message of the last
+        step of this kind had ``n`` payload bytes, an ``n``-byte payload slot."""
         key = self._next_key("recv", src)
         wire = self._wire_device()
         header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=wire)
@@ -346,7 +335,12 @@ class P2PTransport:
         if size > 0:
             slot = torch.empty(size, dtype=torch.uint8, device=wire)
             slot_work = dist.irecv(slot, src, group=self.group, tag=_SLOT_TAG)
-        entry = _Posted(header, header_work, slot, slot_work, key)
+        return _Posted(header, header_work, slot, slot_work, key)
+
+    def _receive_unannounced(self, src: int) -> tuple[torch.Tensor, float]:
+        """A message from a source the step did not announce: the sender may still use a slot
+        (from an earlier step's size), so it is received as a posted one would be, now."""
+        entry = self._post(src)
         _stamp_arrivals([entry])
         self._posted.setdefault(src, deque()).append(entry)
         return self._take_posted(src)

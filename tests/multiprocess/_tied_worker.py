@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _fit_worker import _save_params
 from _tied_models import TiedLM, make_lm_loader
 
 from lightning_deepcee import DeepCEEStrategy, consolidate_checkpoint
@@ -76,11 +77,6 @@ def _trainer(cfg: dict[str, Any], root: Path, **overrides: Any) -> pl.Trainer:
     )
     kwargs.update(overrides)
     return pl.Trainer(**kwargs)
-
-
-def _save_params(model: torch.nn.Module, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, path)
 
 
 def run(cfg: dict[str, Any], out: Path) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -26,17 +25,12 @@ from lightning_deepcee.checkpoint import shard_file
 
 sys.path.insert(0, str(Path(__file__).parent))  # the worker module puts examples/ on the path
 from _real_models_worker import GPT2_SIZES, make_loader, make_model
+from test_lightning_equivalence import _free_port
 
 pytestmark = pytest.mark.multiprocess
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_real_models_worker.py")
 TIED = ("transformer.wte.weight", "lm_head.weight")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _launch(world: int, configs: list[dict[str, Any]], out: Path) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -28,16 +27,11 @@ from lightning_deepcee.runtime.measure import model_fingerprint
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _tied_models import TiedLM, make_lm_loader
+from test_lightning_equivalence import _free_port
 
 pytestmark = pytest.mark.multiprocess
 WORKER = Path(__file__).with_name("_tied_worker.py")
 TIED = ("embed.tokens.weight", "head.out.weight")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _plan(
