@@ -1,7 +1,7 @@
 """Side-by-side throughput benchmark on the emulated lab (issue 3).
 
     sudo python benchmarks/lab_bench.py --topology configs/lab/cee6.yaml --model gpt --size tiny \\
-        --runs 3 --steps 12 --warmup 4 --systems deepcee,ddp,pipe-gpipe,pipe-1f1b,pipe-zb
+        --runs 3 --steps 12 --warmup 4 --systems deepcee,ddp,ddp-regions,pipe-1f1b,pipe-zb
 
 For every system and run it starts the lab (``deepcee-lab run`` as a subprocess, so the lab's own
 setup and teardown apply), runs this same file in ``worker`` mode on every emulated device, and
@@ -14,17 +14,22 @@ initial weights), on the same data, with the same *global* batch per optimizer s
   ``deepcee`` system is the adapter-off arm).
 - ``deepcee-manual``: ``DeepCEEStrategy(schedule="1f1b", num_microbatches=M)``, one stage per
   device, parameter-balanced partition (planner ablation).
-- ``ddp``: Lightning ``DDPStrategy``, per-device batch = global / N.
+- ``ddp``: Lightning ``DDPStrategy``, per-device batch = global / N (DDP runs the multiple of N
+  nearest to the global batch when N does not divide it).
 - ``pipe-gpipe`` / ``pipe-1f1b`` / ``pipe-zb``: plain ``torch.distributed.pipelining``
   (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleavedZeroBubble`` with 2 virtual stages per
-  rank), a uniform split by block count, stages placed in rank order, M micro-batches.
+  rank where the blocks allow, else 1), a uniform split by block count, stages in rank order, M
+  micro-batches.
+- ``SYSTEM@region+region``: that system on those regions' devices alone (the lab starts only
+  them); ``ddp-regions`` adds ``ddp@`` each subset of :func:`region_subsets`.
 
 Throughput: rank 0 records a timestamp after every optimizer step; samples/s =
 global batch x K / (time of the last K steps), K = steps - warmup (set-up, profiling, planning,
 shape inference and the first steps are outside the window).
 
-Results: ``<results>/<topology>.json`` (per-run samples/s, step times, config; merged across
-invocations), ``<topology>.md`` (median, min, max, ratio of medians vs ddp) and ``<topology>.png``.
+One invocation, one table: systems run interleaved run by run; ``<results>/<name>.json`` holds
+every run (samples/s, step times, config, date, commit), ``<name>.md`` the table (median, min,
+max, ratio to the best alternative: the fastest system that is not DeepCEE) and ``<name>.png``.
 ``--report-only`` rebuilds the table and plot from the JSON.
 """
 
@@ -49,6 +54,9 @@ sys.path.insert(0, str(HERE))
 LIGHTNING_SYSTEMS = ("deepcee", "deepcee-adapter", "deepcee-manual", "ddp")
 PIPE_SYSTEMS = ("pipe-gpipe", "pipe-1f1b", "pipe-zb")
 SYSTEMS = LIGHTNING_SYSTEMS + PIPE_SYSTEMS
+DEEPCEE_SYSTEMS = ("deepcee", "deepcee-adapter", "deepcee-manual")
+REGION_SUBSETS = "ddp-regions"
+"""Expands to ``ddp@<regions>`` for every region subset of :func:`region_subsets`."""
 
 
 # =============================================================================== worker side
@@ -259,7 +267,9 @@ def _pipe_worker(args: argparse.Namespace) -> None:
     model = build_model(args.model, args.size)  # identical weights on every rank (seeded)
     n_params = count_parameters(model)
     blocks = model_blocks(model)
-    per_rank = 2 if args.system == "pipe-zb" else 1
+    # Interleaved zero bubble: 2 virtual stages per rank where the blocks allow it, else one
+    # (the same schedule with split backward), so a layout exists for any rank count.
+    per_rank = 2 if args.system == "pipe-zb" and 2 * world <= len(blocks) else 1
     num_stages = world * per_rank
     ranges = uniform_split(len(blocks), num_stages)
     # Rank order: stage s on rank s % world (ZB: rank r holds stages r and r + world).
@@ -350,6 +360,77 @@ def worker_main(argv: list[str]) -> None:
 
 
 # =============================================================================== harness side
+def split_system(system: str) -> tuple[str, tuple[str, ...]]:
+    """``"ddp@cloud+edge"`` -> ``("ddp", ("cloud", "edge"))``; no ``@``: every region (``()``)."""
+    base, _, regions = system.partition("@")
+    return base, tuple(r for r in regions.split("+") if r)
+
+
+def region_subsets(topo: Any) -> list[tuple[str, ...]]:
+    """The proper region subsets a user could train on alone, fastest first.
+
+    A subset must hold the fastest region (the one with the fastest device: a set without it
+    loses to the same set with it for data parallelism) and be connected by the topology's WAN
+    links without passing through a region outside it. Regions keep the topology's order.
+    """
+    names = [r.name for r in topo.regions if topo.devices_in(r.name)]
+    fastest = max(names, key=lambda n: max(d.cpu for d in topo.devices_in(n)))
+    neighbours = {n: set() for n in names}
+    for link in topo.wan:
+        a, b = link.regions
+        if a in neighbours and b in neighbours:
+            neighbours[a].add(b)
+            neighbours[b].add(a)
+    subsets = []
+    for size in range(1, len(names)):
+        for subset in itertools.combinations(names, size):
+            if fastest not in subset:
+                continue
+            seen, todo = {fastest}, [fastest]
+            while todo:
+                for n in neighbours[todo.pop()] & set(subset):
+                    if n not in seen:
+                        seen.add(n)
+                        todo.append(n)
+            if len(seen) == len(subset):
+                subsets.append(subset)
+    return subsets
+
+
+def sub_topology(topo: Any, regions: tuple[str, ...]) -> Any:
+    """``topo`` restricted to ``regions``: their devices (rank order kept), LANs and WAN links."""
+    from lightning_deepcee.lab.topology import Topology
+
+    keep = set(regions)
+    return Topology(
+        name=f"{topo.name}-{'+'.join(regions)}",
+        regions=tuple(r for r in topo.regions if r.name in keep),
+        devices=tuple(d for d in topo.devices if d.region in keep),
+        wan=tuple(w for w in topo.wan if set(w.regions) <= keep),
+        cpu_period_ms=topo.cpu_period_ms,
+    )
+
+
+def system_batch(system: str, num_devices: int, global_batch: int) -> int:
+    """The global batch ``system`` runs: DDP needs a multiple of its device count (the nearest,
+    at least one sample per device); every other system runs ``global_batch`` as given."""
+    if split_system(system)[0] != "ddp" or global_batch % num_devices == 0:
+        return global_batch
+    return max(1, round(global_batch / num_devices)) * num_devices
+
+
+def _git_commit() -> str:
+    """HEAD's short hash, with ``+dirty`` when the tree has uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                              capture_output=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               text=True, capture_output=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def _load(path: Path) -> dict[str, Any]:
     if path.exists():
         return json.loads(path.read_text())
@@ -402,17 +483,28 @@ def _wait_for_quiet_lab(max_wait_s: float) -> bool:
 
 
 def run_one(args: argparse.Namespace, system: str, run: int, out: Path) -> dict[str, Any]:
+    """One lab run of ``system`` (``base@regions`` runs on those regions' devices alone)."""
+    import yaml
+
     from lightning_deepcee.lab.topology import load_topology
 
     topo = load_topology(args.topology)
+    base, regions = split_system(system)
+    topology_file = Path(args.topology)
+    if regions:
+        topo = sub_topology(topo, regions)
+        out.mkdir(parents=True, exist_ok=True)
+        topology_file = out / "topology.yaml"
+        topology_file.write_text(yaml.safe_dump(topo.to_dict(), sort_keys=False))
+    batch = system_batch(system, len(topo.devices), args.global_batch)
     worker = [
         "python",
         str(Path(__file__).resolve()),
         "worker",
-        "--system", system,
+        "--system", base,
         "--model", args.model,
         "--size", args.size,
-        "--global-batch", str(args.global_batch),
+        "--global-batch", str(batch),
         "--microbatches", str(args.microbatches),
         "--steps", str(args.steps),
         "--warmup", str(args.warmup),
@@ -423,7 +515,7 @@ def run_one(args: argparse.Namespace, system: str, run: int, out: Path) -> dict[
         *(["--all-timelines"] if args.all_timelines else []),
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "lightning_deepcee.lab.cli", "run"]
-    cmd += ["--topology", str(args.topology), "--out", str(out), "--quiet"]
+    cmd += ["--topology", str(topology_file), "--out", str(out), "--quiet"]
     cmd += ["--timeout-s", str(args.run_timeout_s), "--master-port", str(args.master_port)]
     cmd += ["--", *worker]
     if not _wait_for_quiet_lab(args.wait_other_lab_s):
@@ -444,6 +536,7 @@ def run_one(args: argparse.Namespace, system: str, run: int, out: Path) -> dict[
     lab_s = time.time() - t0
     bench = _rank0_bench(out / f"{topo.devices[0].name}.log")
     record: dict[str, Any] = dict(run=run, returncode=rc, lab_wall_s=round(lab_s, 1), out=str(out))
+    record["devices"] = [d.name for d in topo.devices]
     record["loadavg_before"] = load_before  # the machine is shared: other jobs may compete
     if bench is not None and rc == 0:
         record.update(bench)
@@ -462,40 +555,93 @@ def _stats(runs: list[dict[str, Any]]) -> dict[str, float] | None:
     return dict(median=statistics.median(vals), min=min(vals), max=max(vals), n=len(vals))
 
 
-def _order(systems: dict[str, Any]) -> list[str]:
-    return [s for s in SYSTEMS if s in systems] + [s for s in systems if s not in SYSTEMS]
+def _order(result: dict[str, Any]) -> list[str]:
+    """Systems in the invocation's order (older files: :data:`SYSTEMS` order, then the rest)."""
+    systems = result["systems"]
+    given = [s for s in result["config"].get("systems", []) if s in systems]
+    known = [s for s in SYSTEMS if s in systems and s not in given]
+    return given + known + [s for s in systems if s not in given and s not in known]
+
+
+def best_alternative(result: dict[str, Any]) -> tuple[str, dict[str, float]] | None:
+    """The fastest system that is not DeepCEE (median samples/s), or None if none ran."""
+    best: tuple[str, dict[str, float]] | None = None
+    for s, entry in result["systems"].items():
+        st = _stats(entry["runs"])
+        if split_system(s)[0] in DEEPCEE_SYSTEMS or st is None:
+            continue
+        if best is None or st["median"] > best[1]["median"]:
+            best = (s, st)
+    return best
+
+
+def _layout(cfg: dict[str, Any], r: dict[str, Any]) -> str:
+    if "num_stages" not in r:
+        n = r.get("world_size", 1)
+        return f"{n} replicas x {r.get('global_batch', cfg['global_batch']) // n}"
+    layout = f"{r['num_stages']} stages"
+    if "schedule" in r:
+        layout += f", {r['schedule']}"
+    layout += f", m={r.get('num_microbatches')}"
+    if "ranges" in r:
+        layout += ", blocks " + " ".join(f"{a}-{b}" for a, b in r["ranges"])
+    if "placement" in r:
+        layout += ", ranks " + " ".join(",".join(str(x) for x in ranks) for ranks in r["placement"])
+    idle = (r.get("plan") or {}).get("idle_ranks") or []
+    if idle:
+        layout += ", idle " + ",".join(str(x) for x in idle)
+    return layout
 
 
 def render(result: dict[str, Any]) -> str:
     """The Markdown of ``<name>.md`` (``benchmarks/report.py`` renders it too)."""
     cfg = result["config"]
     systems: dict[str, Any] = result["systems"]
-    order = _order(systems)
-    base = _stats(systems.get("ddp", {}).get("runs", []))
+    order = _order(result)
+    best = best_alternative(result)
     model = cfg.get("model", "gpt")
     sample = (
         f"{cfg['gpt']['block_size']} tokens" if model == "gpt" else "32x32 RGB images (synthetic)"
     )
     topology = Path(cfg["topology"]).stem
+    when = (
+        f"one invocation on {cfg['date']} at commit `{cfg['commit']}`, systems interleaved run by "
+        "run"
+        if "date" in cfg
+        else "runs of several invocations, date and commit not recorded"
+    )
     lines = [
         f"Topology `{topology}`, {model.upper()} `{cfg['size']}` "
         f"({cfg.get('parameters', '?'):,} parameters), "
         f"global batch {cfg['global_batch']} x {sample}, {cfg['steps']} steps, "
         f"window = last {cfg['steps'] - cfg['warmup']} steps, pipelining micro-batches "
-        f"{cfg['microbatches']}.",
+        f"{cfg['microbatches']}; {when}.",
         "",
-        "| system | runs ok | samples/s median | min | max | median vs ddp | layout |",
-        "|---|---|---|---|---|---|---|",
+    ]
+    deepcee = _stats(systems.get("deepcee", {}).get("runs", []))
+    if deepcee and best:
+        lines += [
+            f"**`deepcee` {deepcee['median']:.2f} samples/s against the best alternative "
+            f"`{best[0]}` {best[1]['median']:.2f}: {deepcee['median'] / best[1]['median']:.2f}x** "
+            "(medians).",
+            "",
+        ]
+    lines += [
+        "| system | devices | runs ok | samples/s median | min | max | median vs best "
+        "alternative | layout |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     errors: list[str] = []
+    notes: list[str] = []
     for s in order:
         runs = systems[s]["runs"]
         st = _stats(runs)
         ok = f"{st['n'] if st else 0}/{len(runs)}"
         layouts = []
+        devices = next((r["devices"] for r in runs if "devices" in r), None)
         for r in (r for r in runs if "samples_per_s" in r):
             if "predicted_step_s" in r:
-                measured = cfg["global_batch"] / r["samples_per_s"]
+                measured = r["global_batch"] / r["samples_per_s"]
                 predicted = r["predicted_step_s"]
                 window = r["step_times_s"][-r["window_steps"] :]
                 median = statistics.median(window)
@@ -504,20 +650,14 @@ def render(result: dict[str, Any]) -> str:
                     f"| {(predicted - measured) / measured:+.0%} | {median * 1e3:.0f} "
                     f"| {(predicted - median) / median:+.0%} | {max(window) * 1e3:.0f} |"
                 )
-            if "num_stages" in r:
-                layout = f"{r['num_stages']} stages"
-                if "schedule" in r:
-                    layout += f", {r['schedule']}"
-                layout += f", m={r.get('num_microbatches')}"
-                if "ranges" in r:
-                    layout += ", blocks " + " ".join(f"{a}-{b}" for a, b in r["ranges"])
-                if "placement" in r:
-                    layout += ", ranks " + " ".join(
-                        ",".join(str(x) for x in ranks) for ranks in r["placement"]
-                    )
-            else:
-                n = r.get("world_size", 1)
-                layout = f"{n} replicas x {cfg['global_batch'] // n}"
+            if r.get("global_batch", cfg["global_batch"]) != cfg["global_batch"]:
+                note = (
+                    f"`{s}` runs global batch {r['global_batch']}, the multiple of its "
+                    f"{r['world_size']} devices nearest to {cfg['global_batch']}."
+                )
+                if note not in notes:
+                    notes.append(note)
+            layout = _layout(cfg, r)
             if layout not in layouts:
                 layouts.append(layout)
         layout = (
@@ -525,14 +665,17 @@ def render(result: dict[str, Any]) -> str:
             if len(layouts) > 1
             else (layouts[0] if layouts else "")
         )
+        where = ", ".join(devices) if devices else "all"
         if st is None:
-            lines.append(f"| {s} | {ok} | failed | | | | |")
+            lines.append(f"| {s} | {where} | {ok} | failed | | | | |")
             continue
-        ratio = f"{st['median'] / base['median']:.2f}x" if base else "n/a"
+        ratio = f"{st['median'] / best[1]['median']:.2f}x" if best else "n/a"
         lines.append(
-            f"| {s} | {ok} | {st['median']:.2f} | {st['min']:.2f} | {st['max']:.2f} | {ratio} "
-            f"| {layout} |"
+            f"| {s} | {where} | {ok} | {st['median']:.2f} | {st['min']:.2f} | {st['max']:.2f} "
+            f"| {ratio} | {layout} |"
         )
+    if notes:
+        lines += ["", *notes]
     if errors:
         lines += [
             "",
@@ -551,7 +694,7 @@ def render(result: dict[str, Any]) -> str:
 def report(result: dict[str, Any], results_dir: Path, name: str) -> str:
     table = render(result)
     (results_dir / f"{name}.md").write_text(table)
-    _plot(result, _order(result["systems"]), results_dir / f"{name}.png", name)
+    _plot(result, _order(result), results_dir / f"{name}.png", name)
     return table
 
 
@@ -650,7 +793,12 @@ def harness_main(argv: list[str]) -> int:
     p.add_argument("--global-batch", type=int, default=48)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--max-chars", type=int, default=400_000)
-    p.add_argument("--systems", default="deepcee,ddp,pipe-gpipe,pipe-1f1b,pipe-zb")
+    p.add_argument(
+        "--systems",
+        default=f"deepcee,ddp,{REGION_SUBSETS},pipe-gpipe,pipe-1f1b,pipe-zb",
+        help=f"comma-separated; SYSTEM@region+region runs on those regions alone; "
+        f"{REGION_SUBSETS} adds ddp@ every subset of region_subsets()",
+    )
     p.add_argument("--results", type=Path, default=HERE / "results")
     p.add_argument("--logs", type=Path, default=REPO / "runs" / "bench")
     p.add_argument("--run-timeout-s", type=float, default=400.0)
@@ -684,7 +832,11 @@ def harness_main(argv: list[str]) -> int:
         "always kept)",
     )
     p.add_argument("--report-only", action="store_true")
-    p.add_argument("--fresh", action="store_true", help="discard earlier results of this topology")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="accepted for old command lines: every invocation writes a new table",
+    )
     p.add_argument(
         "--config", type=Path, help="YAML of defaults for these options (configs/bench/)"
     )
@@ -699,9 +851,8 @@ def harness_main(argv: list[str]) -> int:
     name = args.name or topo.name
     args.results.mkdir(parents=True, exist_ok=True)
     path = args.results / f"{name}.json"
-    result = {} if args.fresh else _load(path)
     if args.report_only:
-        print(report(result, args.results, name))
+        print(report(_load(path), args.results, name))
         return 0
 
     from models import MODELS, build_model, count_parameters
@@ -723,30 +874,32 @@ def harness_main(argv: list[str]) -> int:
         devices=[dict(name=d.name, region=d.region, cpu=d.cpu) for d in topo.devices],
         wan=[dict(regions=list(w.regions), mbit=w.mbit) for w in topo.wan],
     )
-    if (
-        (result and result.get("config", {}).get("size") != args.size)
-        or (result and result["config"].get("model", "gpt") != args.model)
-        or (result and result["config"].get("global_batch") != args.global_batch)
-    ):
-        print("[bench] earlier results used another model size/batch: starting fresh")
-        result = {}
-    if not result:
-        result = dict(config=config, systems={})
-    # Keep the config of this invocation's settings (steps/warmup may differ between systems:
-    # each run records its own window).
-    result["config"].update(steps=args.steps, warmup=args.warmup, microbatches=args.microbatches)
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    for s in systems:
-        if s not in SYSTEMS:
-            p.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
-    for s in systems:
-        entry = result["systems"].setdefault(s, {"runs": []})
-        entry["runs"] = []
-        for r in range(args.runs):
-            out = args.logs / name / s / f"run{r}"
+    config["date"] = time.strftime("%Y-%m-%d")
+    config["commit"] = _git_commit()
+    systems: list[str] = []
+    for s in (s.strip() for s in args.systems.split(",") if s.strip()):
+        if s == REGION_SUBSETS:
+            systems += [f"ddp@{'+'.join(sub)}" for sub in region_subsets(topo)]
+            continue
+        base, regions = split_system(s)
+        if base not in SYSTEMS:
+            p.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)} or {REGION_SUBSETS}")
+        unknown = [r for r in regions if r not in {x.name for x in topo.regions}]
+        if unknown:
+            p.error(f"system {s!r}: no region {unknown[0]!r} in {args.topology}")
+        systems.append(s)
+    systems = list(dict.fromkeys(systems))
+    config["systems"] = systems
+    # One invocation, one table: systems interleaved run by run (A1 B1 C1, A2 B2 C2, ...), so
+    # a drift of the machine's state touches every system alike.
+    result = dict(config=config, systems={s: {"runs": []} for s in systems})
+    print(f"[bench] {len(systems)} systems x {args.runs} runs, interleaved: {', '.join(systems)}")
+    for r in range(args.runs):
+        for s in systems:
+            out = args.logs / name / s.replace("@", "_at_").replace("+", "_") / f"run{r}"
             rec = run_one(args, s, r, out)
             rec.update(steps=args.steps, warmup=args.warmup, command_microbatches=args.microbatches)
-            entry["runs"].append(rec)
+            result["systems"][s]["runs"].append(rec)
             result["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
             path.write_text(json.dumps(result, indent=1))
     print(report(result, args.results, name))

@@ -44,6 +44,7 @@ __all__ = ["CURRENT", "SUMMARIES", "check", "expected_files", "main"]
 CURRENT = ("cee6_gpt5m", "cee6_cnn", "cee6p10_gpt5m", "lan4_gpt5m")
 """The lab benchmarks of the current code: the summaries and ``profile_spread.md`` read these."""
 TOLERANCE = 0.15
+DEEPCEE_COLUMNS = ("deepcee", "deepcee-adapter")
 """The cost model's target: a planned run's predicted step within 15% of the measured one."""
 _RESULTS = "benchmarks/results"
 _BLOCK = re.compile(
@@ -98,31 +99,53 @@ def _label(name: str, data: dict[str, Any], doc_dir: Path, root: Path) -> str:
     )
 
 
+def _best(data: dict[str, Any], keep: Callable[[str], bool]) -> str:
+    """``median (system)`` of the fastest system whose name ``keep`` accepts, or ``-``."""
+    best: tuple[float, str] | None = None
+    for system, entry in data["systems"].items():
+        stats = lab_bench._stats(entry["runs"])
+        if stats is not None and keep(system) and (best is None or stats["median"] > best[0]):
+            best = (stats["median"], system)
+    return "-" if best is None else f"{best[0]:.2f} (`{best[1]}`)"
+
+
 def _throughput(root: Path, doc_dir: Path) -> str:
-    """Samples/s (median of the runs) of every system on every current benchmark."""
-    lab = _lab(root)
-    systems = [s for s in lab_bench.SYSTEMS if any(s in d["systems"] for d in lab.values())]
+    """Samples/s (median of the runs): DeepCEE against the best alternative on every benchmark."""
     lines = [
-        "| benchmark | " + " | ".join(f"`{s}`" for s in systems) + " |",
-        "|---|" + "---|" * len(systems),
+        "| benchmark | `deepcee` | `deepcee-adapter` | best alternative | `deepcee` / best "
+        "| DDP, every device | DDP, best region subset | best torch pipelining | measured |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, data in lab.items():
-        cells = []
-        for system in systems:
-            stats = lab_bench._stats(data["systems"].get(system, {}).get("runs", []))
-            cells.append("-" if stats is None else f"{stats['median']:.2f}")
+    for name, data in _lab(root).items():
+        systems = data["systems"]
+        ours = [lab_bench._stats(systems.get(s, {}).get("runs", [])) for s in DEEPCEE_COLUMNS]
+        best = lab_bench.best_alternative(data)
+        ratio = (
+            "-"
+            if ours[0] is None or best is None
+            else f"{ours[0]['median'] / best[1]['median']:.2f}x"
+        )
+        cfg = data["config"]
+        cells = [
+            *("-" if st is None else f"{st['median']:.2f}" for st in ours),
+            "-" if best is None else f"{best[1]['median']:.2f} (`{best[0]}`)",
+            ratio,
+            _best(data, lambda s: s == "ddp"),
+            _best(data, lambda s: s.startswith("ddp@")),
+            _best(data, lambda s: s.split("@")[0] in lab_bench.PIPE_SYSTEMS),
+            f"{cfg['date']}, `{cfg['commit']}`" if "date" in cfg else "not recorded",
+        ]
         lines.append(f"| {_label(name, data, doc_dir, root)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def _errors(data: dict[str, Any]) -> dict[str, list[float]]:
     """Cost-model error (predicted / measured mean step - 1) of every planned run, by system."""
-    batch = data["config"]["global_batch"]
     out: dict[str, list[float]] = {}
     for system, entry in data["systems"].items():
         for run in entry["runs"]:
             if "predicted_step_s" in run and "samples_per_s" in run:
-                measured = batch / run["samples_per_s"]
+                measured = run["global_batch"] / run["samples_per_s"]
                 out.setdefault(system, []).append(run["predicted_step_s"] / measured - 1)
     return out
 

@@ -6,20 +6,22 @@ Lightning layer: the warnings go through Lightning's rank-zero helpers.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_deepcee.profiler import ClusterProfile, DeviceGroups
 from lightning_deepcee.runtime.stage import PipelineSpec
 
 __all__ = [
+    "SetupTimer",
     "format_cluster",
     "print_everywhere",
     "summarise_whole_model",
@@ -106,3 +108,25 @@ def format_cluster(profile: ClusterProfile, groups: DeviceGroups) -> str:
 def print_everywhere(message: str) -> None:
     """Print on every rank (a lost-device error is news on each of them), to stderr."""
     print(message, file=sys.stderr, flush=True)
+
+
+class SetupTimer:
+    """Times the parts of set-up (``with timer("plan"): ...``) and reports them once."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, part: str) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[part] = time.perf_counter() - began
+
+    def report(self, trainer: pl.Trainer) -> None:
+        """Print the parts (rank 0) and log them as ``deepcee/setup_<part>_s`` to every logger."""
+        parts = ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
+        rank_zero_info(f"DeepCEE: set-up {sum(self.seconds.values()):.1f} s ({parts})")
+        for logger in trainer.loggers:
+            logger.log_metrics({f"deepcee/setup_{k}_s": v for k, v in self.seconds.items()}, step=0)

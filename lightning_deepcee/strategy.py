@@ -15,7 +15,6 @@ exact synchronous semantics, the same update a single device computes on the who
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import socket
@@ -40,7 +39,9 @@ from typing_extensions import override
 from lightning_deepcee._compat import (
     fit_dataloader,
 )
+from lightning_deepcee._gc import GcFreeze
 from lightning_deepcee.console import (
+    SetupTimer,
     format_cluster,
     print_everywhere,
     summarise_whole_model,
@@ -208,7 +209,7 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         self.verbose = verbose
         self.receive_ahead = receive_ahead
         self.freeze_gc = freeze_gc
-        self._gc_frozen = False
+        self._gc = GcFreeze()
         self.ranges: list[tuple[int, int]] = []
         self.spec: PipelineSpec | None = None
         self.stage: Stage | None = None
@@ -286,12 +287,18 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
             ]
         spec = self.spec
         assert spec is not None
-        if self.profile and trainer.state.fn == TrainerFn.FITTING:
-            # Blocks are timed where they will run (the batch is already on root_device).
-            self.model_to_device()
-            self._profile_cluster(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self._build(self._initial_plan(len(spec.blocks), fitting), trainer)
+        timer = SetupTimer()
+        if self.profile and fitting:
+            with timer("profile"):  # blocks are timed where they will run: on root_device
+                self.model_to_device()
+                self._profile_cluster(trainer)
+        with timer("plan"):
+            plan = self._initial_plan(len(spec.blocks), fitting)
+        with timer("build"):
+            self._build(plan, trainer)
+        if fitting:
+            timer.report(trainer)
         summarise_whole_model(trainer, self.whole_model)
         assert self.plan is not None
         batch_warning = batch_statistics_warning(
@@ -503,30 +510,17 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self.freeze_gc and not self._gc_frozen:
-            started = time.perf_counter()
-            gc.collect()
-            gc.freeze()
-            self._gc_frozen = True
-            if self.verbose:
-                rank_zero_info(
-                    f"DeepCEE: froze {gc.get_freeze_count():,} objects for the garbage collector "
-                    f"({time.perf_counter() - started:.2f} s); later collections skip them"
-                )
+        if self.freeze_gc:
+            self._gc.freeze(self.verbose)
 
     @override
     def on_train_end(self) -> None:
-        self._unfreeze_gc()
+        self._gc.unfreeze()
         super().on_train_end()
-
-    def _unfreeze_gc(self) -> None:
-        if self._gc_frozen:
-            gc.unfreeze()
-            self._gc_frozen = False
 
     @override
     def teardown(self) -> None:
-        self._unfreeze_gc()
+        self._gc.unfreeze()
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
