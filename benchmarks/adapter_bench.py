@@ -1,27 +1,38 @@
-"""Adapter benchmark (issue 6): a WAN link halves and recovers; throughput with and without it.
+"""Adapter benchmark: a WAN link the plan uses drops and recovers; throughput with and without it.
 
     sudo python benchmarks/adapter_bench.py --config configs/bench/adapter_wan.yaml
+    sudo python benchmarks/adapter_bench.py --config configs/bench/adapter_cee7_farend.yaml
+    sudo python benchmarks/adapter_bench.py --config configs/bench/adapter_wan_manual.yaml
 
 Runs the same training twice on the lab under the same bandwidth trace, once with
 ``DynamicEnvironmentAdapter`` and once without, and compares samples/s per phase of the trace
-(normal, degraded, recovered). Every device runs this file in ``worker`` mode: a GPT split over
-the devices in rank order by ``DeepCEEStrategy(schedule=..., num_microbatches=M)`` (a fixed
-layout, so the adapter's micro-batch split is the only thing that differs), with rank 0 writing
-one JSON line per optimizer step: its end on the trace's clock (``DEEPCEE_LAB_T0``), its wall
-time, and the micro-batch count in force.
+(normal, degraded, recovered). The two arms differ only by the adapter:
 
-Results: ``<results>/adapter_<topology>.json`` (per-step records of both runs, phase figures,
-decisions), ``.md`` (the phase table) and ``.png`` (samples/s over time, trace phases shaded).
-``--profile`` profiles the cluster at setup in both arms, so the adapter's ``replan`` can act
-(the slow response); its results are ``adapter_<topology>_replan.*``.
-A step belongs to the phase in which it ended; the first ``--settle`` steps of the degraded and
-recovered phases are reported separately (the adapter needs ``window + react_after`` steps to
-react, the baseline nothing), and the figures of the whole phases are given too.
+- ``--layout plan`` (the default): both arms run the planner's own plan, made once. A first lab
+  run (no trace) profiles the cluster into ``profile.json`` (``DeepCEEStrategy(profile_cache=)``),
+  searches a plan and writes it to ``plan.json`` after one step; both arms then run
+  ``DeepCEEStrategy(plan="plan.json", profile_cache="profile.json")``, so they start from the same
+  layout and the adapter has the profile it predicts with. The files are reused by later
+  invocations (``--fresh-plan`` makes them again). Without ``--trace`` the trace is made from
+  the plan: the slowest WAN link its traffic crosses (or ``--link``) drops to ``--drop-factor``
+  of its bandwidth at ``--drop-at-s`` and is restored at ``--restore-at-s``.
+- ``--layout manual``: ``DeepCEEStrategy(schedule=..., num_microbatches=M)``, stages in rank order
+  (``--profile`` profiles at setup in both arms, so the adapter can predict and act); give
+  ``--trace``.
+
+Every device runs this file in ``worker`` mode, rank 0 writing one JSON line per optimizer
+step: its end on the trace's clock (``DEEPCEE_LAB_T0``), its wall time, and the micro-batch count
+in force. Results: ``<results>/adapter_<topology>[_planned|_replan].json`` (per-step records of
+both runs, phase figures, decisions), ``.md`` (the phase table) and ``.png`` (samples/s over
+time, trace phases shaded). A step belongs to the phase in which it ended; the first
+``--settle`` steps of the degraded and recovered phases are reported separately (the adapter
+needs about ``window + react_after`` steps to notice a change, the baseline nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -47,21 +58,26 @@ def worker_main(argv: list[str]) -> None:
     from lightning_deepcee.demo import GPT, ShakespeareDataModule
 
     p = argparse.ArgumentParser()
-    p.add_argument("--adapter", choices=["on", "off"], required=True)
+    p.add_argument("--adapter", choices=["on", "off"], default="off")
     p.add_argument("--size", default="tiny")
     p.add_argument("--global-batch", type=int, required=True)
-    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--microbatches", type=int, default=1)
     p.add_argument("--schedule", default="1f1b")
-    p.add_argument("--end-s", type=float, required=True, help="stop after this trace time")
-    p.add_argument("--steps-log", type=Path, required=True)
-    p.add_argument("--profile", action="store_true", help="profile at setup (re-plan possible)")
+    p.add_argument("--end-s", type=float, default=0.0, help="stop after this trace time")
+    p.add_argument("--steps-log", type=Path)
+    p.add_argument("--profile", action="store_true", help="profile at setup (manual layout)")
+    p.add_argument("--plan", type=Path, help="run this saved plan")
+    p.add_argument("--profile-cache", type=Path, help="DeepCEEStrategy(profile_cache=...)")
+    p.add_argument("--plan-out", type=Path, help="plan, write the plan here, train one step")
+    p.add_argument("--profile-budget-s", type=float, default=300.0)
     args = p.parse_args(argv)
     t0 = float(os.environ["DEEPCEE_LAB_T0"])
     world = int(os.environ["WORLD_SIZE"])
 
     class StepLog(Callback):
-        def __init__(self) -> None:
-            self.last = time.monotonic()
+        def on_train_start(self, trainer, pl_module) -> None:
+            if args.plan_out is not None and trainer.is_global_zero:
+                trainer.strategy.plan.to_json(args.plan_out)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self.start = time.monotonic()
@@ -69,7 +85,7 @@ def worker_main(argv: list[str]) -> None:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             now = time.monotonic()
-            if trainer.is_global_zero:
+            if trainer.is_global_zero and args.steps_log is not None:
                 record = dict(
                     step=trainer.global_step,
                     end_s=round(now - t0, 4),
@@ -85,6 +101,15 @@ def worker_main(argv: list[str]) -> None:
     callbacks: list[Any] = [StepLog()]
     if args.adapter == "on":
         callbacks.append(DynamicEnvironmentAdapter())
+    cache = None if args.profile_cache is None else str(args.profile_cache)
+    if args.plan_out is not None:  # the planner's own choice, profiled into the cache
+        strategy = DeepCEEStrategy(profile_cache=cache, profile_budget_s=args.profile_budget_s)
+    elif args.plan is not None:
+        strategy = DeepCEEStrategy(plan=str(args.plan), profile_cache=cache)
+    else:
+        strategy = DeepCEEStrategy(
+            schedule=args.schedule, num_microbatches=args.microbatches, profile=args.profile
+        )
     pl.seed_everything(0)
     kw = gpt_kwargs(args.size)
     model = GPT(**kw)
@@ -96,10 +121,8 @@ def worker_main(argv: list[str]) -> None:
         devices=1,
         num_nodes=world,
         # Receive-ahead (the default) in both arms: the arms differ only by the adapter.
-        strategy=DeepCEEStrategy(
-            schedule=args.schedule, num_microbatches=args.microbatches, profile=args.profile
-        ),
-        max_steps=100_000,
+        strategy=strategy,
+        max_steps=1 if args.plan_out is not None else 100_000,
         limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
@@ -109,6 +132,44 @@ def worker_main(argv: list[str]) -> None:
         default_root_dir=str(REPO / "runs" / "adapter_bench"),
     )
     trainer.fit(model, datamodule=data)
+
+
+# =============================================================================== the plan's links
+
+
+def plan_wan_links(plan: dict[str, Any], topology: Any) -> list[tuple[str, str]]:
+    """The WAN links (``(region, region)``, names sorted) that ``plan``'s traffic crosses, in the
+    order the pipeline meets them: every hop between consecutive stages first (activations and
+    their gradients), then the gradient all-reduce inside each stage. Rank ``r`` is the
+    topology's device ``r``."""
+    regions = [d.region for d in topology.devices]
+    stages = [list(stage["ranks"]) for stage in plan["stages"]]
+    pairs = [(a, b) for s, r in itertools.pairwise(stages) for a in s for b in r]
+    pairs += [(a, b) for stage in stages for a in stage for b in stage if a < b]
+    links: list[tuple[str, str]] = []
+    for a, b in pairs:
+        for wan in topology.region_path(regions[a], regions[b]):
+            first, second = sorted(wan.regions)
+            if (first, second) not in links:
+                links.append((first, second))
+    return links
+
+
+def make_trace(
+    topology: Any, link: tuple[str, str], drop_at_s: float, restore_at_s: float, factor: float
+) -> list[dict[str, Any]]:
+    """Two events: ``link`` drops to ``factor`` of its configured bandwidth, then is restored."""
+    if not 0 < factor < 1:
+        raise ValueError(f"--drop-factor must be in (0, 1), got {factor}")
+    if not 0 <= drop_at_s < restore_at_s:
+        raise ValueError(
+            f"expected 0 <= --drop-at-s < --restore-at-s, got {drop_at_s}, {restore_at_s}"
+        )
+    mbit = topology.wan_link(*link).mbit
+    return [
+        {"at_s": drop_at_s, "link": list(link), "bandwidth_mbit": round(mbit * factor, 3)},
+        {"at_s": restore_at_s, "link": list(link), "bandwidth_mbit": mbit},
+    ]
 
 
 # =============================================================================== harness side
@@ -151,15 +212,96 @@ def summarise(
     return out
 
 
+def _lab(topology: Path, trace: Path | None, out: Path, timeout_s: float, worker: list[str]) -> int:
+    """Run this file in ``worker`` mode on every device of the lab; its return code."""
+    cmd = [sys.executable, "-m", "lightning_deepcee.lab.cli", "run", "--topology", str(topology),
+           *(["--trace", str(trace)] if trace is not None else []), "--out", str(out), "--quiet",
+           "--timeout-s", str(timeout_s), "--", "python", str(Path(__file__).resolve()), "worker",
+           *worker]  # fmt: skip
+    print(f"[adapter-bench] {' '.join(cmd)}", flush=True)
+    return subprocess.run(cmd, cwd=REPO, check=False).returncode
+
+
+def _planner_plan(args: argparse.Namespace, folder: Path) -> tuple[Path, Path]:
+    """``plan.json`` and ``profile.json``: made once by a lab run without a trace, then reused."""
+    plan, profile = (folder / "plan.json").resolve(), (folder / "profile.json").resolve()
+    if args.fresh_plan:
+        plan.unlink(missing_ok=True)
+        profile.unlink(missing_ok=True)
+    if plan.exists() and profile.exists():
+        print(f"[adapter-bench] reusing {plan} and {profile} (--fresh-plan makes them again)")
+        return plan, profile
+    folder.mkdir(parents=True, exist_ok=True)
+    rc = _lab(args.topology, None, folder / "plan_logs", args.profile_budget_s + 600, [
+        "--size", args.size, "--global-batch", str(args.global_batch), "--plan-out", str(plan),
+        "--profile-cache", str(profile), "--profile-budget-s", str(args.profile_budget_s),
+    ])  # fmt: skip
+    if rc != 0 or not plan.exists() or not profile.exists():
+        raise SystemExit(
+            f"[adapter-bench] the planning run failed (rc={rc}); its logs: {folder / 'plan_logs'}"
+        )
+    return plan, profile
+
+
+def _trace_for_plan(
+    args: argparse.Namespace, topology: Any, plan: dict[str, Any], folder: Path
+) -> tuple[Path, list[dict[str, Any]]]:
+    """The given trace (checked against the plan's links), or one made on a link it uses."""
+    import yaml
+
+    from lightning_deepcee.lab.trace import load_trace
+
+    used = plan_wan_links(plan, topology)
+    if args.trace is not None:
+        trace = load_trace(args.trace, topology).to_list()
+        touched = {tuple(sorted(e["link"])) for e in trace}
+        if not touched & set(used):
+            print(
+                f"[adapter-bench] warning: the trace changes {sorted(touched)} but the plan's "
+                f"traffic crosses {used}: the adapter has nothing to react to",
+                flush=True,
+            )
+        return args.trace, trace
+    link: tuple[str, str]
+    if args.link is not None:
+        ends = sorted(args.link.split(","))
+        if len(ends) != 2:
+            raise SystemExit(f"--link: expected region,region, got {args.link!r}")
+        link = (ends[0], ends[1])
+    elif used:  # the plan's slowest WAN link: where a drop costs the most
+        link = min(used, key=lambda pair: topology.wan_link(*pair).mbit)
+    else:
+        raise SystemExit(
+            "[adapter-bench] the plan's traffic crosses no WAN link (it keeps to one region): a "
+            "WAN trace cannot reach it; use another topology or --layout manual with --trace"
+        )
+    trace = make_trace(topology, link, args.drop_at_s, args.restore_at_s, args.drop_factor)
+    path = folder / "trace.yaml"
+    path.write_text(yaml.safe_dump(trace, default_flow_style=None, sort_keys=False))
+    return path, trace
+
+
 def harness_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", type=Path, help="YAML with any of these options")
     p.add_argument("--topology", type=Path)
-    p.add_argument("--trace", type=Path)
+    p.add_argument(
+        "--layout",
+        choices=["plan", "manual"],
+        default="plan",
+        help="plan: both arms run the planner's plan, made once; manual: a rank-order layout",
+    )
+    p.add_argument("--trace", type=Path, help="bandwidth trace (manual: required; plan: made)")
+    p.add_argument("--link", help="plan layout: the WAN link to drop, region,region")
+    p.add_argument("--drop-at-s", type=float, default=70.0)
+    p.add_argument("--restore-at-s", type=float, default=150.0)
+    p.add_argument("--drop-factor", type=float, default=0.5, help="of the link's bandwidth")
+    p.add_argument("--fresh-plan", action="store_true", help="profile and plan again")
+    p.add_argument("--profile-budget-s", type=float, default=300.0)
     p.add_argument("--size", default="tiny")
     p.add_argument("--global-batch", type=int, default=32)
-    p.add_argument("--microbatches", type=int, default=2)
-    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--microbatches", type=int, default=2, help="manual layout")
+    p.add_argument("--schedule", default="1f1b", help="manual layout")
     p.add_argument("--end-s", type=float, default=200.0)
     p.add_argument("--skip-s", type=float, default=40.0, help="normal phase starts here")
     p.add_argument("--settle", type=int, default=8)
@@ -170,45 +312,59 @@ def harness_main(argv: list[str]) -> int:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="profile the cluster at setup in both arms, so the adapter can re-plan (the slow "
-        "response); results go to adapter_<topology>_replan.*",
+        help="manual layout: profile the cluster at setup in both arms, so the adapter can "
+        "predict and act; results go to adapter_<topology>_replan.*",
     )
     from lab_bench import parse_with_config
 
     args = parse_with_config(p, argv)
-    if args.topology is None or args.trace is None:
-        p.error("--topology and --trace are required (or in --config)")
+    if args.topology is None:
+        p.error("--topology is required (or in --config)")
+    if args.layout == "manual" and args.trace is None:
+        p.error("--layout manual needs --trace")
     from lightning_deepcee.lab.topology import load_topology
     from lightning_deepcee.lab.trace import load_trace
 
     topology = load_topology(args.topology)
-    trace = load_trace(args.trace, topology).to_list()
-    phases = _phases(trace, args.end_s)
-    name = f"adapter_{topology.name}" + ("_replan" if args.profile else "")
+    planned = args.layout == "plan"
+    name = f"adapter_{topology.name}" + (
+        "_planned" if planned else "_replan" if args.profile else ""
+    )
+    folder = args.logs / name
     args.results.mkdir(parents=True, exist_ok=True)
     result_path = args.results / f"{name}.json"
     result: dict[str, Any] = json.loads(result_path.read_text()) if result_path.exists() else {}
+    plan: dict[str, Any] | None = None
+    if planned and args.report_only:
+        plan, trace = result["config"]["plan"], result["config"]["trace"]
+    elif planned:
+        plan_path, profile_path = _planner_plan(args, folder)
+        plan = json.loads(plan_path.read_text())
+        trace_path, trace = _trace_for_plan(args, topology, plan, folder)
+        arm = ["--plan", str(plan_path), "--profile-cache", str(profile_path)]
+    else:
+        trace_path, trace = args.trace, load_trace(args.trace, topology).to_list()
+        arm = ["--microbatches", str(args.microbatches), "--schedule", args.schedule,
+               *(["--profile"] if args.profile else [])]  # fmt: skip
+    phases = _phases(trace, args.end_s)
     result["config"] = dict(
         topology=str(args.topology), trace=trace, size=args.size, global_batch=args.global_batch,
         microbatches=args.microbatches, schedule=args.schedule, end_s=args.end_s,
         skip_s=args.skip_s, settle=args.settle, profile=args.profile,
     )  # fmt: skip
+    if planned:
+        result["config"].update(layout="plan", plan=plan)
     result.setdefault("modes", {})
     for mode in [] if args.report_only else args.modes.split(","):
-        out = args.logs / name / mode
+        out = folder / mode
         out.mkdir(parents=True, exist_ok=True)
         log = out / "steps.jsonl"
         log.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "lightning_deepcee.lab.cli", "run", "--topology",
-               str(args.topology), "--trace", str(args.trace), "--out", str(out), "--quiet",
-               "--timeout-s", str(args.end_s + 240), "--", "python", str(Path(__file__).resolve()),
-               "worker", "--adapter", mode, "--size", args.size, "--global-batch",
-               str(args.global_batch), "--microbatches", str(args.microbatches), "--schedule",
-               args.schedule, "--end-s", str(args.end_s), "--steps-log", str(log),
-               *(["--profile"] if args.profile else [])]  # fmt: skip
-        print(f"[adapter-bench] adapter {mode}: {' '.join(cmd)}", flush=True)
         began = time.time()
-        rc = subprocess.run(cmd, cwd=REPO, check=False).returncode
+        rc = _lab(args.topology, trace_path, out, args.end_s + 240, [
+            "--adapter", mode, "--size", args.size, "--global-batch", str(args.global_batch),
+            "--end-s", str(args.end_s), "--steps-log", str(log.resolve()), *arm,
+        ])  # fmt: skip
         records = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
         decisions = []
         rank0_log = out / f"{topology.devices[0].name}.log"
@@ -236,10 +392,19 @@ def render(result: dict[str, Any]) -> str:
     cfg = result["config"]
     phases = _phases(cfg["trace"], cfg["end_s"])
     modes = result["modes"]
+    if cfg.get("layout") == "plan":
+        plan = cfg["plan"]
+        stages = " | ".join(",".join(str(r) for r in st["ranks"]) for st in plan["stages"])
+        layout = (
+            f"the planner's plan (ranks {stages}, {plan['schedule']} with "
+            f"{plan['num_microbatches']} micro-batches) made once and run by both arms"
+        )
+    else:
+        layout = f"{cfg['schedule']} with {cfg['microbatches']} micro-batches"
     lines = [
         f"Topology `{Path(cfg['topology']).stem}`, trace {cfg['trace']}, GPT `{cfg['size']}`, "
-        f"global batch {cfg['global_batch']}, {cfg['schedule']} with {cfg['microbatches']} "
-        f"micro-batches; the normal phase is counted from {cfg['skip_s']} s (after set-up); "
+        f"global batch {cfg['global_batch']}, {layout}; the normal phase is counted from "
+        f"{cfg['skip_s']} s (after set-up); "
         f"'settled' leaves out the first {cfg['settle']} steps of a phase.",
         "",
         "| phase | seconds | adapter off samples/s | adapter on samples/s | on/off | settled off | "
@@ -288,7 +453,7 @@ def _plot(result: dict[str, Any], phases: list[tuple[str, float, float]], path: 
     fig, ax = plt.subplots(figsize=(8, 3.6))
     for name, start, end in phases:
         if name == "degraded":
-            ax.axvspan(start, end, color="#f4cccc", label="link halved")
+            ax.axvspan(start, end, color="#f4cccc", label="link degraded")
     for mode, colour in (("off", "#888888"), ("on", "#4c72b0")):
         records = result["modes"].get(mode, {}).get("records", [])
         if not records:

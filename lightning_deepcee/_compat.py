@@ -24,6 +24,10 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 # SyncBatchNorm): the one type that says "normalises over the batch dimension".
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 
+# Every tensor an operator returns, while it runs: the live bytes of a block's forward and
+# backward where no allocator keeps statistics (CPU). The dispatch-mode base class is not public.
+from torch.utils._python_dispatch import TorchDispatchMode
+
 # Nested containers of tensors (block values of any structure, and the description of their
 # structure that travels to the next stage once): torch's pytree, which has no public module.
 from torch.utils._pytree import (
@@ -44,6 +48,7 @@ PATH = str | Path
 __all__ = [
     "PATH",
     "BatchNormBase",
+    "TorchDispatchMode",
     "TreeSpec",
     "default_process_group",
     "default_store",

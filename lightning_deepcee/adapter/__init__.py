@@ -1,17 +1,27 @@
-"""The Dynamic Environment Adapter: the link monitor that decides split / merge / re-plan.
+"""The Dynamic Environment Adapter: watch the links, decide with the model, confirm with the clock.
 
-``monitor.py`` is pure (no torch, no Lightning); a thin Lightning Callback feeds it the executor's
-per-transfer timings each step and applies its decisions. ``replan.py`` (pure too) turns a
-``replan`` decision into an observed profile and a searched plan worth moving to, or not.
-``tuner.py`` (pure) tries finer splits after a ``split`` while they shorten the step.
-``callback.py`` is the Lightning Callback (:class:`DynamicEnvironmentAdapter`), imported on first
-use so that the pure modules import without Lightning. See ``docs/adapter.md``.
+Pure modules (no torch, no Lightning), tested in one process on synthetic timing streams:
+
+- ``records.py``: the monitor's settings, observations and proposals (plain data);
+- ``monitor.py``: the link monitor (warm-up, expectations, shared links, hysteresis) that
+  proposes split / merge / re-plan;
+- ``links.py``: which pairs the running plan uses and the figures to judge them by;
+- ``gate.py``: what a change of split is predicted to gain (the running plan re-predicted);
+- ``replan.py``: the observed profile and whether a searched plan is worth moving to;
+- ``guard.py``: the step time before and after an action, and whether to keep it.
+
+``callback.py`` is the Lightning Callback (:class:`DynamicEnvironmentAdapter`) that feeds them and
+applies what they decide, imported on first use so that the pure modules import without
+Lightning. See ``docs/adapter.md``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from lightning_deepcee.adapter.gate import SplitChoice, choose_split, with_microbatches
+from lightning_deepcee.adapter.guard import ActionGuard, GuardConfig, Verdict
+from lightning_deepcee.adapter.links import link_expectations, plan_pairs
 from lightning_deepcee.adapter.monitor import (
     Decision,
     DecisionKind,
@@ -20,6 +30,7 @@ from lightning_deepcee.adapter.monitor import (
     LinkObservation,
     LinkState,
     MonitorConfig,
+    SharedLink,
     observations_from_transfers,
 )
 from lightning_deepcee.adapter.replan import (
@@ -27,18 +38,20 @@ from lightning_deepcee.adapter.replan import (
     ReplanChoice,
     choose_replan,
     figure_from_decision,
+    figures_from_decision,
     link_figures,
     observed_profile,
 )
-from lightning_deepcee.adapter.tuner import SplitTuner, TunerDecision
 
 if TYPE_CHECKING:
     from lightning_deepcee.adapter.callback import DynamicEnvironmentAdapter
 
 __all__ = [
+    "ActionGuard",
     "Decision",
     "DecisionKind",
     "DynamicEnvironmentAdapter",
+    "GuardConfig",
     "Link",
     "LinkFigure",
     "LinkMonitor",
@@ -46,13 +59,19 @@ __all__ = [
     "LinkState",
     "MonitorConfig",
     "ReplanChoice",
-    "SplitTuner",
-    "TunerDecision",
+    "SharedLink",
+    "SplitChoice",
+    "Verdict",
     "choose_replan",
+    "choose_split",
     "figure_from_decision",
+    "figures_from_decision",
+    "link_expectations",
     "link_figures",
     "observations_from_transfers",
     "observed_profile",
+    "plan_pairs",
+    "with_microbatches",
 ]
 
 

@@ -1,77 +1,69 @@
-"""DynamicEnvironmentAdapter: the Lightning Callback that runs the link monitor during training.
+"""DynamicEnvironmentAdapter: the Lightning Callback that runs the adapter during training.
 
-A thin shim over the pure :mod:`lightning_deepcee.adapter` (monitor, tuner, re-plan choice): it
-feeds them the executor's transfer timings each step, gathers their decisions so every rank acts
-on the same step, and applies them through the strategy (micro-batch splits, ``apply_plan``).
-See docs/adapter.md.
+A thin shim over the pure :mod:`lightning_deepcee.adapter` (monitor, gate, re-plan choice,
+guard): it gathers every rank's transfer timings each step, feeds the monitor, puts the
+monitor's proposals to the cost model (on rank 0, the outcome broadcast), applies what passes
+through the strategy (micro-batch splits, ``apply_plan``) and reverts what the clock says did
+not pay. Every rank runs the same monitor and guard on the same all-reduced figures, so all of
+them take the same decisions on the same step. See docs/adapter.md.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import asdict
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_deepcee.runtime.transport import TransferRecord
+from lightning_deepcee.adapter.guard import ActionGuard, GuardConfig, Verdict
+from lightning_deepcee.adapter.monitor import LinkMonitor, LinkObservation, MonitorConfig
+from lightning_deepcee.adapter.replan import placement_key
 
 __all__ = ["DynamicEnvironmentAdapter"]
 
+_STATE_VERSION = 2
+
 
 class DynamicEnvironmentAdapter(Callback):
-    """Follows the links at run time: finer micro-batches when a link slows, re-plan when it stays.
+    """Follows the links at run time: acts only where the model predicts a gain, keeps only what
+    the clock confirms (docs/adapter.md).
 
-    A thin shim over :class:`~lightning_deepcee.adapter.LinkMonitor` and
-    :mod:`lightning_deepcee.adapter.replan` (pure, see docs/adapter.md). Each step every rank
-    turns its *received* transfers (bytes and seconds on the wire, from a transfer's header to
-    its payload) into link observations. The first ``calibration_steps`` steps set what each link
-    normally delivers under this schedule; then the monitor compares each window median with it.
+    Each step one all-reduce sums every rank's received transfers per device pair (bytes and
+    seconds on the wire) with every rank's step time, so every rank's
+    :class:`~lightning_deepcee.adapter.LinkMonitor` sees the whole pipeline and judges each link
+    against what the plan expects of it (:func:`~lightning_deepcee.adapter.link_expectations`),
+    lowered to a figure calibrated after ``warmup_steps`` where that is lower. A ``split`` or
+    ``merge`` proposal changes the split only as
+    :func:`~lightning_deepcee.adapter.choose_split` predicts it pays (``split_gain``); a
+    ``replan`` proposal moves blocks (``DeepCEEStrategy.apply_plan``) only as
+    :func:`~lightning_deepcee.adapter.choose_replan` predicts it pays (``replan_gain``). The
+    clock (:class:`~lightning_deepcee.adapter.ActionGuard`) then compares the median step time
+    (the slowest rank's) over ``confirm_window`` steps after ``confirm_settle`` with the window
+    before; an action away from the plan that did not gain ``confirm_gain`` is reverted (the
+    previous split, or the previous plan and profile) and not retried while the links say the
+    same. Proposals arriving while an action waits for its verdict are considered after it.
+    Without a cluster profile nothing can be predicted: the adapter only watches and logs.
 
-    A ``split`` only applies to a link that matters: if at the degraded bandwidth its transfers
-    of the step take less than ``min_link_share`` of the step's wall time (a LAN link whose
-    measured speed wobbles under CPU contention), the decision is logged as ignored.
-
-    Decisions are gathered on every rank so all ranks act on the same step:
-
-    - ``split`` / ``merge`` (fast response): the step's micro-batch count becomes the configured
-      count times the largest split in force, from the next step on, so a stage behind a slow link
-      starts on smaller pieces sooner; it returns to the configured count when links recover.
-      After a split, a :class:`~lightning_deepcee.adapter.SplitTuner` tries one piece more at a
-      time while the median step time (max over ranks) drops by ``tune_gain`` or more, and
-      settles on the best split it measured (``tune_gain=None``: no tuning).
-    - ``replan`` (slow response): every rank's link figures are gathered; the strategy's
-      ``cluster_profile`` is rescaled on every link that is off its expectation (by
-      ``measured / expected``, both directions unless the reverse has its own observation, see
-      :func:`~lightning_deepcee.adapter.observed_profile`); rank 0 re-predicts the running plan
-      on it and searches a new plan, and broadcasts the outcome. If the new plan's predicted step
-      time beats the running plan's by more than ``replan_gain``, every rank calls
-      ``DeepCEEStrategy.apply_plan``: blocks and their optimizer state move at this step
-      boundary, gradients stay exact. The observed profile becomes the strategy's profile, the
-      splits are dropped (the new plan's micro-batch count is the configured one) and the links
-      are calibrated again under the new plan. Without a profile (a manual layout without
-      ``profile=True``) the decision is logged and skipped.
-
-    Every decision, and every re-plan's figures and outcome, goes to the console and to the
-    loggers (``deepcee/adapter_microbatches``, ``deepcee/adapter_replan_*``). The state (monitor
-    windows, splits, calibration, the plan a re-plan moved to and the profile it was made for)
-    is saved in checkpoints; on resume the re-planned layout is restored at ``on_train_start``
-    when setup chose the layout that re-plan replaced (the run continues exactly), and dropped
-    (with a re-calibration) when setup chose another one (another cluster or a new plan).
+    Proposals, gate outcomes and verdicts go to the console (rank 0), the loggers and
+    ``decisions``; the state is checkpointed, and on resume a re-planned layout is restored
+    when setup chose the layout it replaced (else the links are watched afresh).
 
     Args:
-        replan_gain: the least predicted gain, as a fraction of the running plan's predicted step
-            time (on the observed profile), for which a re-plan moves blocks; in ``[0, 1)``.
-            Moving blocks costs a gather of the whole training state and a re-calibration, and
-            a predicted gain within the cost model's error may not be real, so a smaller gain is
-            not worth acting on.
-        tune_gain: the least relative drop of the median step time (over ``window`` steps) for
-            the tuner to keep a finer split, in ``[0, 1)``; ``None`` keeps the monitor's split.
-            The other arguments are the monitor's (see docs/adapter.md).
+        split_gain: the least predicted gain (a fraction of the step time) for which the split
+            changes, in ``[0, 1)``.
+        replan_gain: the least predicted gain for which a re-plan moves blocks, in ``[0, 1)``;
+            moving blocks costs a gather of the whole training state.
+        confirm_window: steps measured before and after an action.
+        confirm_settle: steps left out after an action before its window.
+        confirm_gain: the least measured gain for which an action away from the plan is kept
+            (and the most measured loss for which one back towards it is kept), in ``[0, 1)``.
+        The other arguments are the monitor's (:class:`~lightning_deepcee.adapter.MonitorConfig`).
     """
 
     def __init__(
@@ -83,58 +75,68 @@ class DynamicEnvironmentAdapter(Callback):
         replan_after: int = 20,
         min_bytes: int = 65536,
         max_split: int = 4,
+        warmup_steps: int = 5,
         calibration_steps: int = 10,
-        min_link_share: float = 0.1,
+        calibration_quantile: float = 0.75,
+        split_gain: float = 0.1,
         replan_gain: float = 0.1,
-        tune_gain: float | None = 0.05,
+        confirm_window: int = 6,
+        confirm_settle: int = 2,
+        confirm_gain: float = 0.05,
     ) -> None:
-        from lightning_deepcee.adapter import MonitorConfig, SplitTuner
-
         self.config = MonitorConfig(
-            slow_threshold=slow_threshold,
-            fast_threshold=fast_threshold,
-            window=window,
-            react_after=react_after,
-            replan_after=replan_after,
-            min_bytes=min_bytes,
-            max_split=max_split,
+            slow_threshold=slow_threshold, fast_threshold=fast_threshold, window=window,
+            react_after=react_after, replan_after=replan_after, min_bytes=min_bytes,
+            max_split=max_split, warmup_steps=warmup_steps, calibration_steps=calibration_steps,
+            calibration_quantile=calibration_quantile,
+        )  # fmt: skip
+        for name, value in (("split_gain", split_gain), ("replan_gain", replan_gain)):
+            if isinstance(value, bool) or not 0 <= value < 1:
+                raise ValueError(
+                    f"DynamicEnvironmentAdapter: {name} must be in [0, 1) (a fraction of the "
+                    f"step time), got {value}"
+                )
+        self.split_gain, self.replan_gain = float(split_gain), float(replan_gain)
+        self.guard = ActionGuard(
+            GuardConfig(window=confirm_window, settle=confirm_settle, min_gain=confirm_gain)
         )
-        if calibration_steps < 1:
-            raise ValueError(f"calibration_steps must be >= 1, got {calibration_steps}")
-        if not 0 <= min_link_share < 1:
-            raise ValueError(f"min_link_share must be in [0, 1), got {min_link_share}")
-        if isinstance(replan_gain, bool) or not 0 <= replan_gain < 1:
-            raise ValueError(
-                f"replan_gain must be in [0, 1) (a fraction of the step time), got {replan_gain}"
-            )
-        self.min_link_share = min_link_share
-        self.calibration_steps = calibration_steps
-        self.replan_gain = float(replan_gain)
-        self.tuner: SplitTuner | None = None
-        if tune_gain is not None:
-            self.tuner = SplitTuner(max_split=max_split, window=window, min_gain=tune_gain)
-        self._tuned_split: int | None = None
-        """The tuner's split while it is in force (overrides the monitor's largest split)."""
-        self._last_batch_end: float | None = None
-        self.monitor: Any = None
-        self._calibration: dict[str, list[float]] = {}
-        self._calibration_start = 0
-        """Global step after which the current calibration began (0, or the last re-plan's)."""
-        self._splits: dict[str, int] = {}
-        self._base_microbatches: int | None = None
+        self.monitor: LinkMonitor | None = None
         self.decisions: list[dict[str, Any]] = []
+        self._pairs: list[tuple[int, int]] = []
+        """The pairs the running plan's transfers use (the all-reduce's layout)."""
+        self._pending_obs: list[Any] | None = None
+        """``[step, [[src, dst, bytes, seconds], ...]]`` gathered last step, judged this step."""
+        self._split = 1
+        self._base_microbatches: int | None = None
         self._replanned: dict[str, Any] | None = None
         """After an applied re-plan: the plan (dict), the profile it was made for (dict) and the
-        layout setup had chosen (``_layout_key``), for a resume to restore it."""
+        layout setup had chosen (``placement_key``), for a resume to restore it."""
+        self._refuted: list[str] = []
+        """Actions the clock reverted, with the link states they were taken under (JSON)."""
+        self._deferred: list[dict[str, Any]] = []
+        self._last_batch_end: float | None = None
 
+    # ------------------------------------------------------------------------------ hooks
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_deepcee.adapter.links import plan_pairs
+
         strategy = _deepcee(trainer)
         if self._replanned is not None:
             self._restore_replan(trainer, strategy)
         if self._base_microbatches is None:
             self._base_microbatches = strategy.num_microbatches
-        self._apply(trainer)  # after a resume, re-apply the split in force
+        self._apply_split(trainer, strategy)  # after a resume, the split in force
+        if self.monitor is None or self._pairs != plan_pairs(strategy.plan):
+            self._new_monitor(strategy)
+        self.guard.settle()
+        self._last_batch_end = time.perf_counter()
+        if strategy.cluster_profile is None:
+            rank_zero_warn(
+                "DynamicEnvironmentAdapter: the strategy has no cluster profile, so no action "
+                "can be predicted; the adapter watches and logs the links but takes no action. "
+                "Profile the cluster (DeepCEEStrategy() or profile=True) to let it act."
+            )
 
     @override
     def on_train_batch_end(
@@ -145,157 +147,209 @@ class DynamicEnvironmentAdapter(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        from lightning_deepcee.adapter import LinkMonitor, observations_from_transfers
-
         strategy = _deepcee(trainer)
+        if self.monitor is None:
+            return
         step = trainer.global_step
         now = time.perf_counter()
         step_s = 0.0 if self._last_batch_end is None else now - self._last_batch_end
         self._last_batch_end = now
-        # A receive's blocked time includes waiting for the sender's compute, which a split
-        # shortens: judging links by it makes the adapter's own splits look like recoveries.
-        # The payload's time on the wire (after its header arrived) is what the link delivers.
-        received = [
-            TransferRecord(r.peer, r.num_bytes, r.wire_s, r.direction)
-            for r in strategy.transfer_records
-            if r.direction == "recv" and r.wire_s is not None
-        ]
-        observations = [
-            o
-            for o in observations_from_transfers(step, strategy.global_rank, received)
-            if o.num_bytes >= self.config.min_bytes and o.seconds > 0
-        ]
-        if self.monitor is None:
-            for o in observations:
-                key = f"{o.src}->{o.dst}"
-                self._calibration.setdefault(key, []).append(o.num_bytes / o.seconds)
-            if step < self._calibration_start + self.calibration_steps:
-                return
-            expected = _median_per_link(strategy, self._calibration)
-            self.monitor = LinkMonitor(expected, None, self.config)
-            return
-        step_bytes: dict[tuple[int, int], int] = {}
-        for o in observations:
-            step_bytes[(o.src, o.dst)] = step_bytes.get((o.src, o.dst), 0) + o.num_bytes
-        mine = []
-        for d in self.monitor.observe(step, observations):
-            # Carry the deciding rank's figures, so every rank judges the decision alike.
-            entry = d.to_dict()
-            entry["step_bytes"] = step_bytes.get(d.link, 0)
-            entry["step_s"] = step_s
-            mine.append(entry)
-        # Most steps decide nothing: one small all-reduce says so (and gives every rank the same
-        # step time, the slowest rank's, for the tuner); only a step with a decision somewhere
-        # pays for gathering the decisions themselves.
-        summary = torch.tensor(
-            [float(len(mine)), step_s], dtype=torch.float64, device=strategy.root_device
-        )
-        torch.distributed.all_reduce(summary, op=torch.distributed.ReduceOp.MAX)
-        count, slowest_s = int(summary[0].item()), float(summary[1].item())
-        if count == 0:
-            self._tune(trainer, step, slowest_s)
+        # The transfers gathered last step are judged now, so that one all-reduce per step
+        # carries both this step's transfers and whether any rank has something to say.
+        mine: list[dict[str, Any]] = []
+        if self._pending_obs is not None:
+            obs_step, rows = self._pending_obs
+            observations = [LinkObservation(obs_step, s, d, b, t) for s, d, b, t in rows]
+            mine = [d.to_dict() for d in self.monitor.observe(obs_step, observations)]
+        rows, slowest_s, anyone = self._exchange(strategy, step_s, len(mine))
+        self._pending_obs = [step, rows]
+        monitor = self.monitor
+        verdict = self.guard.record(step, slowest_s)
+        if verdict is not None:
+            self._on_verdict(trainer, strategy, verdict)
+        if not anyone:
             return
         gathered: list[list[dict[str, Any]] | None] = [None] * strategy.world_size
         torch.distributed.all_gather_object(gathered, mine)
-        decisions = [d for part in gathered for d in (part or [])]
-        if decisions:
-            self._decide(trainer, strategy, decisions)
+        seen: dict[str, dict[str, Any]] = {}
+        for part in gathered:
+            for d in part or []:
+                seen.setdefault(json.dumps(d, sort_keys=True), d)
+        self._decide(trainer, strategy, list(seen.values()), stale=monitor is not self.monitor)
 
-    def _decide(self, trainer: pl.Trainer, strategy: Any, decisions: list[dict[str, Any]]) -> None:
-        replans = []
+    # --------------------------------------------------------------------------- per step
+    def _exchange(
+        self, strategy: Any, step_s: float, count: int
+    ) -> tuple[list[list[Any]], float, bool]:
+        """One all-reduce: per pair (bytes, wire seconds), every rank's step time and count."""
+        # A receive's blocked time includes waiting for the sender's compute, which a split
+        # shortens: the payload's time on the wire (after its header arrived) is what the link
+        # delivers.
+        index = {pair: i for i, pair in enumerate(self._pairs)}
+        num_pairs, world, rank = len(index), strategy.world_size, strategy.global_rank
+        values = [0.0] * (2 * num_pairs + 2 * world)
+        minimum = self.config.min_bytes
+        for r in strategy.transfer_records:
+            i = index.get((r.peer, rank))
+            if i is not None and r.direction == "recv" and r.wire_s and r.num_bytes >= minimum:
+                values[i] += r.num_bytes
+                values[num_pairs + i] += r.wire_s
+        values[2 * num_pairs + rank] = step_s
+        values[2 * num_pairs + world + rank] = float(count)
+        summed = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
+        torch.distributed.all_reduce(summed, op=torch.distributed.ReduceOp.SUM)
+        out = summed.tolist()
+        rows = [
+            [s, d, int(out[i]), out[num_pairs + i]]
+            for i, (s, d) in enumerate(self._pairs)
+            if out[i] > 0
+        ]
+        step_times = out[2 * num_pairs : 2 * num_pairs + world]
+        return rows, max(step_times), sum(out[2 * num_pairs + world :]) > 0
+
+    def _decide(
+        self,
+        trainer: pl.Trainer,
+        strategy: Any,
+        decisions: list[dict[str, Any]],
+        stale: bool = False,
+    ) -> None:
+        """The monitor's proposals, on every rank together."""
+        from lightning_deepcee.adapter.monitor import describe_link
+
         for d in decisions:
-            key = f"{d['link'][0]}->{d['link'][1]}"
-            wire_s = d.get("step_bytes", 0) / max(d["new_bandwidth"], 1e-9)
-            if d["kind"] == "split" and wire_s < self.min_link_share * d.get("step_s", 0.0):
-                d = {**d, "kind": "ignored-split"}
-                rank_zero_info(
-                    f"DeepCEE adapter: step {d['step']} link {key} split ignored: its transfers "
-                    f"take {wire_s * 1e3:.1f} ms of a {d['step_s'] * 1e3:.0f} ms step "
-                    f"(< min_link_share={self.min_link_share})"
-                )
-                self.decisions.append(d)
-                continue
-            if d["kind"] in ("split", "merge"):
-                self._splits[key] = int(d["split_factor"])
-            if d["kind"] == "replan":
-                replans.append(d)
-            self.decisions.append(d)
+            name = d.get("name") or f"{d['link'][0]}->{d['link'][1]}"
             rank_zero_info(
-                f"DeepCEE adapter: step {d['step']} link {key} {d['kind']} "
-                f"x{d['split_factor']}: {d['old_bandwidth'] / 1e6:.3g} -> "
+                f"DeepCEE adapter: step {d['step']} link {describe_link(name, d.get('pairs', []))}"
+                f" {d['kind']} x{d['split_factor']}: {d['old_bandwidth'] / 1e6:.3g} -> "
                 f"{d['new_bandwidth'] / 1e6:.3g} MB/s ({d['reason']})"
             )
+            self.decisions.append(d)
             for logger in trainer.loggers:
                 logger.log_metrics(
-                    {f"deepcee/adapter_link{key}_mb_per_s": d["new_bandwidth"] / 1e6},
+                    {f"deepcee/adapter_link{name}_mb_per_s": d["new_bandwidth"] / 1e6},
                     step=trainer.global_step,
                 )
-        if replans:
-            self._replan(trainer, strategy, replans)
-        if self.tuner is not None and any(d["kind"] in ("split", "merge") for d in decisions):
-            # The monitor changed the split: tune from its new split (or stop: all merged).
-            self._tuned_split = None
-            split = max(self._splits.values(), default=1)
-            if split > 1:
-                self.tuner.start(split)
-            else:
-                self.tuner.stop()
-        self._apply(trainer)
-
-    def _tune(self, trainer: pl.Trainer, step: int, step_s: float) -> None:
-        """Feed the tuner this step's time (the same on every rank) and apply its decision."""
-        if self.tuner is None or not self.tuner.active:
+        if stale:
+            return  # made under the layout a revert just left
+        why = self._cannot_predict(strategy)
+        if why is not None:
+            for kind in sorted({d["kind"] for d in decisions}):
+                if kind == "replan":
+                    self._record_replan(trainer, decisions, "skipped", why)
+                else:
+                    self._record(trainer, {"kind": f"{kind}-skipped", "reason": why})
             return
-        decision = self.tuner.observe(step, step_s)
-        if decision is None:
+        pending = self.guard.pending
+        if pending is not None:
+            self._deferred += decisions
+            why = f"waits for the verdict on the {pending['kind']} of step {pending['step']}"
+            self._record(trainer, {"kind": "deferred", "reason": why})
             return
-        self._tuned_split = decision.split
-        entry = {**asdict(decision), "kind": "tune-" + decision.kind}
-        self.decisions.append(entry)
-        rank_zero_info(f"DeepCEE adapter: {decision}")
-        for logger in trainer.loggers:
-            logger.log_metrics({"deepcee/adapter_tuned_split": float(decision.split)}, step=step)
-        self._apply(trainer)
+        self._act(trainer, strategy, decisions)
 
-    def _replan(self, trainer: pl.Trainer, strategy: Any, replans: list[dict[str, Any]]) -> None:
-        """The slow response: on every rank together (the decisions were gathered)."""
-        from lightning_deepcee.adapter import (
-            ReplanChoice,
-            choose_replan,
-            figure_from_decision,
+    def _act(self, trainer: pl.Trainer, strategy: Any, proposals: list[dict[str, Any]]) -> None:
+        replans = [d for d in proposals if d["kind"] == "replan"]
+        if replans and self._replan(trainer, strategy, replans):
+            return
+        resplits = [d for d in proposals if d["kind"] in ("split", "merge")]
+        if resplits:
+            self._resplit(trainer, strategy, resplits)
+
+    def _cannot_predict(self, strategy: Any) -> str | None:
+        if strategy.cluster_profile is None:
+            return (
+                "acting needs a prediction, and predicting needs a cluster profile "
+                "(DeepCEEStrategy() plans from one; a manual layout needs profile=True)"
+            )
+        if strategy.num_replicas != 1:
+            return "a manual layout with several data-parallel replicas cannot be re-planned"
+        return None
+
+    def _observed(self, strategy: Any, proposals: list[dict[str, Any]]) -> tuple[Any, Any]:
+        """The profile as the links behave now (the proposals' figures, then the monitor's)."""
+        from lightning_deepcee.adapter.replan import (
+            figures_from_decision,
             link_figures,
             observed_profile,
         )
 
+        # The monitor's figures last: they cover every pair of a link, and later figures win.
+        figures = [f for d in proposals for f in figures_from_decision(d)]
+        figures += [] if self.monitor is None else link_figures(self.monitor.state_dict())
+        return observed_profile(strategy.cluster_profile, figures)
+
+    def _plan_at(self, strategy: Any, split: int) -> Any:
+        """The running plan with ``split`` pieces per micro-batch of its own count."""
+        from lightning_deepcee.adapter.gate import with_microbatches
+
+        base = self._base_microbatches or strategy.num_microbatches
+        return with_microbatches(with_microbatches(strategy.current_plan(), base), base * split)
+
+    def _signature(self) -> list[Any]:
+        return [] if self.monitor is None else [list(s) for s in self.monitor.signature()]
+
+    def _refuted_key(self, kind: str, target: Any) -> str:
+        return json.dumps([kind, target, self._signature()], sort_keys=True)
+
+    # -------------------------------------------------------------------- fast response
+    def _resplit(self, trainer: pl.Trainer, strategy: Any, proposals: list[dict[str, Any]]) -> None:
+        from lightning_deepcee.adapter.gate import SplitChoice, choose_split
+
+        observed, _ = self._observed(strategy, proposals)
+        plan, split = self._plan_at(strategy, 1), self._split
+
+        def gate() -> dict[str, Any]:
+            return choose_split(
+                observed, plan, current_split=split, max_split=self.config.max_split,
+                gain=self.split_gain,
+            ).to_dict()  # fmt: skip
+
+        choice = SplitChoice.from_dict(_on_rank_zero(strategy, "the split gate", gate))
+        merging = all(d["kind"] == "merge" for d in proposals)
+        label = "merge" if choice.split < self._split or (merging and not choice.apply) else "split"
+        predicted = {str(k): round(v * 1e3, 3) for k, v in choice.step_time_s.items()}
+        entry = {"predicted_ms": predicted, "from": self._split, "to": choice.split}
+        key = self._refuted_key("split", choice.split)
+        if choice.apply and key in self._refuted:
+            self._record(trainer, {**entry, "kind": f"{label}-kept", "reason": "the clock "
+                         f"reverted x{choice.split} under the same link states"})  # fmt: skip
+            return
+        if not choice.apply:
+            self._record(trainer, {**entry, "kind": f"{label}-kept", "reason": choice.reason})
+            return
+        previous = self._split
+        self._split = choice.split
+        self._apply_split(trainer, strategy)
+        self.guard.begin(
+            trainer.global_step,
+            {"kind": label, "from": previous, "to": choice.split, "key": key},
+            towards_plan=choice.split < previous,
+        )
+        self._record(trainer, {**entry, "kind": f"{label}-applied", "reason": choice.reason})
+
+    def _apply_split(self, trainer: pl.Trainer, strategy: Any) -> None:
+        target = (self._base_microbatches or strategy.num_microbatches) * self._split
+        if target != strategy.num_microbatches:
+            strategy.set_num_microbatches(target)
+            for logger in trainer.loggers:
+                logger.log_metrics(
+                    {"deepcee/adapter_microbatches": float(target)}, step=trainer.global_step
+                )
+
+    # -------------------------------------------------------------------- slow response
+    def _replan(self, trainer: pl.Trainer, strategy: Any, replans: list[dict[str, Any]]) -> bool:
+        """Search and compare on rank 0, move on every rank; True when a new plan was applied."""
+        from lightning_deepcee.adapter.replan import ReplanChoice, choose_replan
+
         step = trainer.global_step
         profile = strategy.cluster_profile
-        if profile is None or strategy.num_replicas != 1:
-            why = (
-                "re-planning needs a cluster profile (DeepCEEStrategy() plans from one; a manual "
-                "layout needs profile=True)"
-                if profile is None
-                else "a manual layout with several data-parallel replicas cannot be re-planned"
-            )
-            self._record_replan(trainer, replans, "skipped", why)
-            return
-        # Every rank watches its incoming links: gather all of them (a re-plan is rare).
-        mine = [] if self.monitor is None else link_figures(self.monitor.state_dict())
-        gathered: list[Any] = [None] * strategy.world_size
-        torch.distributed.all_gather_object(gathered, mine)
-        figures = [f for part in gathered for f in (part or [])]
-        figures += [figure_from_decision(d) for d in replans]
-        observed, changes = observed_profile(profile, figures)
-        outcome: dict[str, Any] = {}
-        if strategy.is_global_zero:
-            try:
-                current = strategy.current_plan()
-                outcome = choose_replan(observed, current, gain=self.replan_gain).to_dict()
-            except Exception as exc:  # the other ranks wait in the broadcast: tell them
-                outcome = {"error": f"{type(exc).__name__}: {exc}"}
-        outcome = strategy.broadcast(outcome)
-        if "error" in outcome:
-            raise RuntimeError(f"DeepCEE adapter: re-planning failed on rank 0: {outcome['error']}")
-        choice = ReplanChoice.from_dict(outcome)
+        observed, changes = self._observed(strategy, replans)
+        current = self._plan_at(strategy, self._split)
+        gain = self.replan_gain
+        choice = ReplanChoice.from_dict(_on_rank_zero(
+            strategy, "re-planning", lambda: choose_replan(observed, current, gain=gain).to_dict()
+        ))  # fmt: skip
         changed = ", ".join(
             f"{src}->{dst} {old / 1e6:.3g} -> {new / 1e6:.3g} MB/s"
             for (src, dst), (old, new) in sorted(changes.items())
@@ -314,12 +368,25 @@ class DynamicEnvironmentAdapter(Callback):
             if new_s is not None:
                 metrics["deepcee/adapter_replan_new_ms"] = new_s * 1e3
             logger.log_metrics(metrics, step=step)
-        if not choice.apply or choice.plan is None:
+        key = (
+            None if choice.plan is None else self._refuted_key("replan", placement_key(choice.plan))
+        )
+        why = choice.reason
+        if choice.apply and key in self._refuted:
+            why = "the clock reverted a move to this layout under the same link states"
+        if not choice.apply or choice.plan is None or key in self._refuted:
             self._record_replan(
-                trainer, replans, "kept", f"{choice.reason}; {figures_line}", choice.to_dict()
+                trainer, replans, "kept", f"{why}; {figures_line}", choice.to_dict()
             )
-            return
-        origin = _layout_key(strategy.current_plan())
+            return False
+        previous = {
+            "plan": strategy.plan.to_dict(),
+            "profile": profile.to_dict(),
+            "split": self._split,
+            "base": self._base_microbatches,
+            "replanned": self._replanned,
+        }
+        origin = placement_key(strategy.current_plan())
         strategy.apply_plan(choice.plan, trainer)
         strategy.cluster_profile = observed
         if self._replanned is not None:
@@ -329,14 +396,15 @@ class DynamicEnvironmentAdapter(Callback):
             "profile": observed.to_dict(),
             "origin": origin,
         }
-        self._restart_calibration(step, strategy)
-        self._record_replan(
-            trainer,
-            replans,
-            "applied",
-            f"{choice.reason}; {figures_line}; links calibrated again under the new plan",
-            choice.to_dict(),
+        self._split, self._base_microbatches = 1, strategy.num_microbatches
+        self._new_monitor(strategy)
+        self.guard.begin(
+            step, {"kind": "replan", "previous": previous, "key": key}, towards_plan=False
         )
+        self._record_replan(
+            trainer, replans, "applied", f"{choice.reason}; {figures_line}", choice.to_dict()
+        )
+        return True
 
     def _record_replan(
         self,
@@ -346,7 +414,7 @@ class DynamicEnvironmentAdapter(Callback):
         why: str,
         choice: dict[str, Any] | None = None,
     ) -> None:
-        links = ", ".join(f"{d['link'][0]}->{d['link'][1]}" for d in replans)
+        links = ", ".join(d.get("name") or f"{d['link'][0]}->{d['link'][1]}" for d in replans)
         rank_zero_info(
             f"DeepCEE adapter: step {trainer.global_step} re-plan for link(s) {links}: {action} "
             f"({why})"
@@ -363,16 +431,59 @@ class DynamicEnvironmentAdapter(Callback):
             entry["plan"] = choice["plan"]
         self.decisions.append(entry)
 
-    def _restart_calibration(self, step: int, strategy: Any) -> None:
-        """After the layout changed: calibrate every link again, no split in force."""
-        self.monitor = None
-        self._calibration = {}
-        self._calibration_start = step
-        self._splits = {}
-        self._tuned_split = None
-        if self.tuner is not None:
-            self.tuner.stop()
-        self._base_microbatches = strategy.num_microbatches
+    def _record(self, trainer: pl.Trainer, entry: dict[str, Any]) -> None:
+        entry = {"step": trainer.global_step, **entry}
+        rank_zero_info(f"DeepCEE adapter: step {entry['step']} {entry['kind']}: {entry['reason']}")
+        self.decisions.append(entry)
+
+    # -------------------------------------------------------------------- the clock
+    def _on_verdict(self, trainer: pl.Trainer, strategy: Any, verdict: Verdict) -> None:
+        action = verdict.action
+        kind = "confirmed" if verdict.keep else "reverted"
+        rank_zero_info(f"DeepCEE adapter: {verdict}")
+        self.decisions.append(
+            {"step": verdict.step, "kind": kind, "action": action["kind"],
+             "action_step": action["step"], "before_s": verdict.before_s,
+             "after_s": verdict.after_s, "reason": verdict.reason}
+        )  # fmt: skip
+        rebuilt = False
+        if not verdict.keep:
+            if action.get("key") is not None:
+                self._refuted.append(action["key"])
+            if action["kind"] in ("split", "merge"):
+                self._split = int(action["from"])
+                self._apply_split(trainer, strategy)
+            else:
+                self._revert_replan(trainer, strategy, action["previous"])
+                rebuilt = True
+            self.guard.settle()
+        if self._deferred and self.guard.pending is None:
+            deferred, self._deferred = self._deferred, []
+            if not rebuilt:
+                self._act(trainer, strategy, deferred)
+
+    def _revert_replan(self, trainer: pl.Trainer, strategy: Any, previous: dict[str, Any]) -> None:
+        from lightning_deepcee.planner import Plan
+        from lightning_deepcee.profiler import ClusterProfile
+
+        strategy.apply_plan(Plan.from_dict(previous["plan"]), trainer)
+        strategy.cluster_profile = ClusterProfile.from_dict(previous["profile"])
+        self._replanned = previous["replanned"]
+        self._base_microbatches = previous["base"] or strategy.num_microbatches
+        self._split = int(previous["split"])
+        self._apply_split(trainer, strategy)
+        self._new_monitor(strategy)
+
+    # -------------------------------------------------------------------- layout changes
+    def _new_monitor(self, strategy: Any) -> None:
+        """Watch the running plan's links afresh (start, re-plan, revert, another layout)."""
+        from lightning_deepcee.adapter.links import link_expectations, plan_pairs
+
+        self._pairs = plan_pairs(strategy.plan)
+        expected, shared = link_expectations(strategy.cluster_profile, self._pairs)
+        self.monitor = LinkMonitor(expected, None, self.config, shared)
+        self._pending_obs = None
+        self._deferred = []
 
     def _restore_replan(self, trainer: pl.Trainer, strategy: Any) -> None:
         """On resume: run the re-planned layout again if setup chose the one it replaced."""
@@ -382,10 +493,10 @@ class DynamicEnvironmentAdapter(Callback):
         assert self._replanned is not None
         plan = Plan.from_dict(self._replanned["plan"])
         try:
-            running = _layout_key(strategy.current_plan())
+            running = placement_key(strategy.current_plan())
         except ValueError:
             running = None
-        if running == _layout_key(plan):
+        if running == placement_key(plan):
             return  # setup runs the re-planned layout already (e.g. passed as plan=...)
         problem = None
         if running != self._replanned["origin"]:
@@ -398,10 +509,12 @@ class DynamicEnvironmentAdapter(Callback):
         if problem is not None:
             rank_zero_info(
                 f"DeepCEE adapter: not restoring the re-planned layout of the checkpoint "
-                f"({problem}); keeping setup's layout and calibrating the links again."
+                f"({problem}); keeping setup's layout and watching its links afresh."
             )
             self._replanned = None
-            self._restart_calibration(trainer.global_step, strategy)
+            self._split, self._base_microbatches = 1, strategy.num_microbatches
+            self.monitor = None
+            self.guard.cancel()
             return
         rank_zero_info("DeepCEE adapter: restoring the re-planned layout of the checkpoint.")
         strategy.apply_plan(plan, trainer)
@@ -413,50 +526,58 @@ class DynamicEnvironmentAdapter(Callback):
         ):
             strategy.cluster_profile = saved  # the profile the restored plan was made for
 
-    def _apply(self, trainer: pl.Trainer) -> None:
-        strategy = _deepcee(trainer)
-        base = self._base_microbatches or strategy.num_microbatches
-        split = self._tuned_split or max(self._splits.values(), default=1)
-        target = base * split
-        if target != strategy.num_microbatches:
-            strategy.set_num_microbatches(target)
-            for logger in trainer.loggers:
-                logger.log_metrics(
-                    {"deepcee/adapter_microbatches": float(target)}, step=trainer.global_step
-                )
-
+    # -------------------------------------------------------------------- checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
+            "version": _STATE_VERSION,
             "monitor": None if self.monitor is None else self.monitor.state_dict(),
-            "calibration": self._calibration,
-            "splits": self._splits,
+            "pairs": [list(p) for p in self._pairs],
+            "pending_obs": self._pending_obs,
+            "guard": self.guard.state_dict(),
+            "split": self._split,
             "base_microbatches": self._base_microbatches,
             "decisions": self.decisions,
-            "calibration_start": self._calibration_start,
             "replanned": self._replanned,
-            "tuner": None if self.tuner is None else self.tuner.state_dict(),
-            "tuned_split": self._tuned_split,
+            "refuted": self._refuted,
+            "deferred": self._deferred,
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from lightning_deepcee.adapter import LinkMonitor
-
-        self._calibration = dict(state_dict["calibration"])
-        self._splits = dict(state_dict["splits"])
-        self._base_microbatches = state_dict["base_microbatches"]
-        self.decisions = list(state_dict["decisions"])
-        # Checkpoints from before re-planning existed lack these two.
-        self._calibration_start = int(state_dict.get("calibration_start", 0))
+        self.decisions = list(state_dict.get("decisions", []))
         self._replanned = state_dict.get("replanned")
-        self._tuned_split = state_dict.get("tuned_split")
-        if self.tuner is not None and state_dict.get("tuner") is not None:
-            self.tuner.load_state_dict(state_dict["tuner"])
+        self._base_microbatches = state_dict.get("base_microbatches")
+        if state_dict.get("version") != _STATE_VERSION:
+            rank_zero_warn(
+                "DynamicEnvironmentAdapter: the checkpoint's adapter state is from another "
+                "version; its links are watched afresh and no split is in force."
+            )
+            return
         self.monitor = None
         if state_dict["monitor"] is not None:
             self.monitor = LinkMonitor({}, None, self.config)
             self.monitor.load_state_dict(state_dict["monitor"])
+        self._pairs = [(int(s), int(d)) for s, d in state_dict["pairs"]]
+        self._pending_obs = state_dict["pending_obs"]
+        self.guard.load_state_dict(state_dict["guard"])
+        self._split = int(state_dict["split"])
+        self._refuted = list(state_dict["refuted"])
+        self._deferred = list(state_dict["deferred"])
+
+
+def _on_rank_zero(strategy: Any, what: str, compute: Callable[[], dict[str, Any]]) -> Any:
+    """``compute()`` on rank 0, its outcome broadcast; its error raised on every rank."""
+    outcome: dict[str, Any] = {}
+    if strategy.is_global_zero:
+        try:
+            outcome = compute()
+        except Exception as exc:  # the other ranks wait in the broadcast: tell them
+            outcome = {"error": f"{type(exc).__name__}: {exc}"}
+    outcome = strategy.broadcast(outcome)
+    if "error" in outcome:
+        raise RuntimeError(f"DeepCEE adapter: {what} failed on rank 0: {outcome['error']}")
+    return outcome
 
 
 def _deepcee(trainer: pl.Trainer) -> Any:
@@ -465,30 +586,3 @@ def _deepcee(trainer: pl.Trainer) -> Any:
     if not isinstance(trainer.strategy, DeepCEEStrategy):
         raise TypeError("This callback needs Trainer(strategy=DeepCEEStrategy()).")
     return trainer.strategy
-
-
-def _layout_key(plan: Any) -> list[Any]:
-    """What a plan decides about placement (stages, devices, shares, schedule), JSON-ready;
-    not its micro-batch count, which the fast response changes."""
-    stages = [
-        [list(st.block_range), list(st.ranks), [round(x, 6) for x in st.batch_shares]]
-        for st in plan.stages
-    ]
-    return [stages, plan.schedule]
-
-
-def _median_per_link(
-    strategy: Any, samples: dict[str, list[float]]
-) -> dict[tuple[int, int], float]:
-    """Every rank's calibration medians, gathered so all ranks watch every link alike."""
-    import statistics
-
-    mine = {k: statistics.median(v) for k, v in samples.items() if v}
-    gathered: list[dict[str, float] | None] = [None] * strategy.world_size
-    torch.distributed.all_gather_object(gathered, mine)
-    expected: dict[tuple[int, int], float] = {}
-    for part in gathered:
-        for key, value in (part or {}).items():
-            src, dst = key.split("->")
-            expected[(int(src), int(dst))] = value
-    return expected

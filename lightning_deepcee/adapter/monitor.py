@@ -1,18 +1,31 @@
-"""The Dynamic Environment Adapter's logic: watch every link, decide split / merge / re-plan.
+"""The adapter's link monitor: watch every link, propose split / merge / re-plan.
 
 This module is pure (stdlib only, no torch, no Lightning) so it is tested in one process on
-synthetic timing streams. A Lightning Callback shim feeds it the executor's per-transfer timings
-once per step and applies the decisions it returns.
+synthetic timing streams. The Lightning Callback feeds it every step's transfers (gathered from
+all ranks) and puts each proposal to the cost model and then to the clock before acting on it
+(``adapter/gate.py``, ``adapter/guard.py``).
 
-Roughly, per directed link ``(src, dst)`` and per step:
+What it watches is a *link*: one directed device pair, or a :class:`SharedLink`, the pairs whose
+transfers cross one wide-area link together (as the cost model shares the link between two network
+groups). Roughly, per link and per step:
 
-1. the step's transfers over the link give one sample of effective bandwidth,
-   ``sum(num_bytes) / sum(seconds - expected latency)`` (transfers under ``min_bytes`` skipped);
-2. the sample enters a sliding window of ``window`` samples; only the window median is judged;
-3. a state machine (NORMAL, DEGRADED, IMPROVED) moves after ``react_after`` consecutive medians
-   beyond a threshold, with different thresholds in and out (hysteresis);
-4. entering DEGRADED returns a ``split`` decision (fast response), leaving it a ``merge``; a
-   DEGRADED or IMPROVED state that persists ``replan_after`` steps returns one ``replan``.
+1. the steps of the first ``warmup_steps`` are left out (start-up, first allocations, CPU-quota
+   stalls before the pipeline runs in step);
+2. the step's transfers give one sample: per pair ``bytes`` and latency-corrected ``seconds``,
+   then ``sum(bytes) / max(seconds)`` over the pairs (the link's throughput if the pairs ran
+   together, the cost model's assumption) and ``sum(bytes) / sum(seconds)`` (if they ran one
+   after another); for a single pair both are ``bytes / seconds``;
+3. the link's expectation is the plan's figure (the profile's bandwidth of the pair, or the
+   capacity the pairs of a shared link share), lowered to a calibrated figure when that is
+   lower: the ``calibration_quantile`` of the link's first ``calibration_steps`` samples;
+4. a link is *degraded* when every sample of its window, taken as if the pairs ran together
+   (the optimistic figure), is below ``expected / slow_threshold``, and *improved* when every
+   sample taken as if they ran one after another (the pessimistic one) is above
+   ``expected * slow_threshold``, for ``react_after`` steps in a row: neither a minority of
+   stalled samples nor how the pairs happened to overlap looks like a change; it is back to
+   normal when the window median is past ``expected / fast_threshold`` (hysteresis);
+5. entering DEGRADED proposes a ``split``, leaving it a ``merge``; a DEGRADED or IMPROVED state
+   that persists ``replan_after`` steps proposes one ``replan``.
 
 See ``docs/adapter.md`` for the reasoning behind each default.
 """
@@ -24,8 +37,22 @@ import statistics
 import warnings
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, fields
+from typing import Any
+
+from lightning_deepcee.adapter.records import (
+    Decision,
+    DecisionKind,
+    Link,
+    LinkObservation,
+    LinkState,
+    MonitorConfig,
+    SharedLink,
+    as_link,
+    check_bandwidth,
+    describe_link,
+    observations_from_transfers,
+)
 
 __all__ = [
     "Decision",
@@ -35,16 +62,12 @@ __all__ = [
     "LinkObservation",
     "LinkState",
     "MonitorConfig",
+    "SharedLink",
+    "describe_link",
     "observations_from_transfers",
 ]
 
-Link = tuple[int, int]
-"""A directed link ``(src_rank, dst_rank)``."""
-
-DecisionKind = Literal["split", "merge", "replan"]
-LinkState = Literal["normal", "degraded", "improved"]
-
-_STATE_DICT_VERSION = 1
+_STATE_DICT_VERSION = 2
 # A transfer whose time is almost all latency says nothing about bandwidth: if less than this
 # fraction of its seconds is left after subtracting the expected latency, it is skipped rather
 # than turned into a huge (or negative) bandwidth.
@@ -54,162 +77,21 @@ _MIN_PAYLOAD_FRACTION = 0.05
 _SPLIT_RATIO_TOLERANCE = 1e-6
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MonitorConfig:
-    """Thresholds of the link monitor; every default is explained in ``docs/adapter.md``."""
-
-    slow_threshold: float = 1.5
-    """A link is degraded when its median bandwidth falls below ``expected / slow_threshold``
-    (and, symmetrically, improved when it rises above ``expected * slow_threshold``)."""
-    fast_threshold: float = 1.25
-    """A degraded link recovers when its median is back above ``expected / fast_threshold``
-    (an improved one settles when back below ``expected * fast_threshold``). It lies strictly
-    between 1 and ``slow_threshold`` so the gap between the two is a hysteresis band: a link
-    hovering at one threshold cannot flap between states."""
-    window: int = 5
-    """Samples (steps in which the link carried data) in the sliding window; decisions use the
-    window median, so a single noisy step cannot trigger anything."""
-    react_after: int = 3
-    """Consecutive window medians beyond a threshold before the state changes (the fast
-    response: split or merge)."""
-    replan_after: int = 20
-    """Steps a DEGRADED or IMPROVED state must persist before the slow response: one re-plan."""
-    min_bytes: int = 65536
-    """Transfers smaller than this many bytes are ignored: their time is mostly latency and
-    jitter, not bandwidth."""
-    max_split: int = 4
-    """The most pieces a micro-batch may be split into on a degraded link."""
-
-    def __post_init__(self) -> None:
-        for name in ("slow_threshold", "fast_threshold"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool):
-                raise ValueError(f"MonitorConfig.{name}: expected a number, got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"MonitorConfig.{name}: expected a finite number, got {value}")
-        if not 1.0 <= self.fast_threshold < self.slow_threshold:
-            raise ValueError(
-                "MonitorConfig: expected 1 <= fast_threshold < slow_threshold (the gap is the "
-                f"hysteresis band), got fast_threshold={self.fast_threshold}, "
-                f"slow_threshold={self.slow_threshold}; e.g. set fast_threshold=1.25, "
-                "slow_threshold=1.5"
-            )
-        defaults = {f.name: f.default for f in fields(MonitorConfig)}
-        for name, minimum in (
-            ("window", 1),
-            ("react_after", 1),
-            ("replan_after", 1),
-            ("min_bytes", 0),
-            ("max_split", 1),
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"MonitorConfig.{name}: expected an integer, got {value!r}")
-            if value < minimum:
-                raise ValueError(
-                    f"MonitorConfig.{name}: expected an integer >= {minimum}, got {value}; "
-                    f"set {name}={defaults[name]} (the default) or any "
-                    f"value >= {minimum}"
-                )
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain, JSON-serialisable copy."""
-        return asdict(self)
-
-
-@dataclass(frozen=True, slots=True)
-class LinkObservation:
-    """One completed transfer of ``num_bytes`` from rank ``src`` to rank ``dst`` that took
-    ``seconds`` (latency included), during training step ``step``."""
-
-    step: int
-    src: int
-    dst: int
-    num_bytes: int
-    seconds: float
-
-    @property
-    def link(self) -> Link:
-        return (self.src, self.dst)
-
-
-class _TransferLike(Protocol):
-    # Matches runtime.transport.TransferRecord without importing torch.
-    @property
-    def peer(self) -> int: ...
-    @property
-    def num_bytes(self) -> int: ...
-    @property
-    def seconds(self) -> float: ...
-    @property
-    def direction(self) -> str: ...
-
-
-def observations_from_transfers(
-    step: int, rank: int, records: Iterable[_TransferLike]
-) -> list[LinkObservation]:
-    """Turn one rank's transfer records (``peer, num_bytes, seconds, direction``) into
-    observations: a ``send`` is the link ``rank -> peer``, a ``recv`` the link ``peer -> rank``."""
-    observations = []
-    for record in records:
-        if record.direction == "send":
-            src, dst = rank, record.peer
-        elif record.direction == "recv":
-            src, dst = record.peer, rank
-        else:
-            raise ValueError(
-                f"transfer record direction: expected 'send' or 'recv', got {record.direction!r}"
-            )
-        observations.append(LinkObservation(step, src, dst, record.num_bytes, record.seconds))
-    return observations
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Decision:
-    """What the monitor asks of the runtime at the end of step ``step`` for ``link``.
-
-    - ``split``: the sender before ``link`` splits each micro-batch into ``split_factor`` pieces
-      from the next step on, so the receiving stage can start on the first piece sooner.
-    - ``merge``: the link recovered; send whole micro-batches again (``split_factor`` is 1).
-    - ``replan``: the change persisted; re-plan with ``new_bandwidth`` for this link and move
-      blocks at a step boundary (``split_factor`` is the split in force, unchanged).
-    """
-
-    step: int
-    link: Link
-    kind: DecisionKind
-    old_bandwidth: float
-    """What the plan assumed, bytes/s."""
-    new_bandwidth: float
-    """The window median measured when deciding, bytes/s."""
-    split_factor: int
-    reason: str
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain, JSON-serialisable copy (``link`` as a list)."""
-        return {
-            "step": self.step,
-            "link": list(self.link),
-            "kind": self.kind,
-            "old_bandwidth": self.old_bandwidth,
-            "new_bandwidth": self.new_bandwidth,
-            "split_factor": self.split_factor,
-            "reason": self.reason,
-        }
-
-    def __str__(self) -> str:
-        src, dst = self.link
-        return (
-            f"step {self.step} link {src}->{dst} {self.kind} x{self.split_factor}: "
-            f"{_fmt_bw(self.old_bandwidth)} -> {_fmt_bw(self.new_bandwidth)} ({self.reason})"
-        )
-
-
 @dataclass(slots=True)
-class _LinkTrack:
-    expected_bandwidth: float
-    expected_latency: float
-    window: deque[float]
+class _Track:
+    """One watched link (a pair or a shared link) and its state machine."""
+
+    name: str
+    pairs: tuple[Link, ...]
+    planned: float | None
+    """The plan's figure, bytes/s (None: none given)."""
+    expected: float | None
+    """What the link is judged against; None until calibrated."""
+    calibration: list[float]
+    together: deque[float]
+    """Samples assuming the pairs ran at the same time: sum(bytes) / max(seconds)."""
+    apart: deque[float]
+    """Samples assuming they ran one after another: sum(bytes) / sum(seconds)."""
     state: LinkState = "normal"
     down_streak: int = 0
     up_streak: int = 0
@@ -217,25 +99,36 @@ class _LinkTrack:
     split: int = 1
     replanned: bool = False
 
+    def measured(self) -> float | None:
+        window = self.apart if self.state == "improved" else self.together
+        return statistics.median(window) if window else None
+
 
 class LinkMonitor:
-    """Watches directed links against the bandwidth the plan assumed and returns decisions.
+    """Watches links against what the plan expects of them and proposes decisions.
 
-    ``expected_bandwidth`` maps ``(src, dst)`` to bytes/s (finite, positive); only those links
-    are watched, observations of any other link are ignored. ``expected_latency`` maps links to
-    one-way latency in seconds, subtracted from every transfer's time (0 where missing).
+    ``expected_bandwidth`` maps each watched pair ``(src, dst)`` to the plan's figure in bytes/s
+    (finite, positive) or ``None`` (calibrated only); ``shared`` groups pairs into
+    :class:`SharedLink` s, judged together against their capacity (their pairs need not be in
+    ``expected_bandwidth``). Observations of any other pair are ignored. ``expected_latency``
+    maps pairs to one-way latency in seconds, subtracted from every transfer's time (0 where
+    missing).
     """
 
     def __init__(
         self,
-        expected_bandwidth: Mapping[Link, float],
+        expected_bandwidth: Mapping[Link, float | None],
         expected_latency: Mapping[Link, float] | None = None,
         config: MonitorConfig | None = None,
+        shared: Iterable[SharedLink] = (),
     ) -> None:
         self.config = config if config is not None else MonitorConfig()
-        self._links: dict[Link, _LinkTrack] = {}
+        self._tracks: dict[str, _Track] = {}
+        self._track_of: dict[Link, str] = {}
+        self._latency: dict[Link, float] = {}
         self._last_step: int | None = None
-        self._install(expected_bandwidth, expected_latency, keep_windows=False)
+        self._start_step: int | None = None
+        self._install(expected_bandwidth, expected_latency, tuple(shared), keep_windows=False)
 
     @classmethod
     def from_matrices(
@@ -245,8 +138,9 @@ class LinkMonitor:
         config: MonitorConfig | None = None,
     ) -> LinkMonitor:
         """Build from ``[src][dst]`` matrices (``ClusterProfile.bandwidth_bytes_per_s`` and
-        ``latency_s``); the diagonal and non-finite entries (no real link) are skipped."""
-        bandwidth: dict[Link, float] = {}
+        ``latency_s``), every pair its own link; the diagonal and non-finite entries (no real
+        link) are skipped."""
+        bandwidth: dict[Link, float | None] = {}
         latency: dict[Link, float] = {}
         for src, row in enumerate(bandwidth_bytes_per_s):
             for dst, value in enumerate(row):
@@ -260,34 +154,50 @@ class LinkMonitor:
 
     @property
     def links(self) -> list[Link]:
-        """The watched links, sorted."""
-        return sorted(self._links)
+        """Every watched pair, sorted."""
+        return sorted(self._track_of)
+
+    @property
+    def link_names(self) -> list[str]:
+        """The watched links (pairs and shared links) by name, sorted."""
+        return sorted(self._tracks)
 
     def current_split(self, link: Link) -> int:
-        """Pieces each micro-batch over ``link`` is split into now (1 for an unwatched link)."""
-        track = self._links.get(_link(link))
+        """The split the link of pair ``link`` asked for (1 for an unwatched pair)."""
+        track = self._track(link)
         return 1 if track is None else track.split
 
     def link_state(self, link: Link) -> LinkState:
-        """``normal``, ``degraded`` or ``improved`` (``normal`` for an unwatched link)."""
-        track = self._links.get(_link(link))
+        """``normal``, ``degraded`` or ``improved`` (``normal`` for an unwatched pair)."""
+        track = self._track(link)
         return "normal" if track is None else track.state
 
     def measured_bandwidth(self, link: Link) -> float | None:
-        """Median of the link's window, bytes/s; None before its first sample."""
-        track = self._links.get(_link(link))
-        if track is None or not track.window:
-            return None
-        return statistics.median(track.window)
+        """The window median of the link of pair ``link`` (bytes/s) as it is judged now (the
+        pessimistic figure while improved, else the optimistic one); None before a sample."""
+        track = self._track(link)
+        return None if track is None else track.measured()
+
+    def expected_bandwidth(self, link: Link) -> float | None:
+        """What the link of pair ``link`` is judged against; None while it calibrates."""
+        track = self._track(link)
+        return None if track is None else track.expected
+
+    def signature(self) -> tuple[tuple[str, str], ...]:
+        """``(name, state)`` of every link that is not normal: what the links say now."""
+        return tuple(
+            (name, track.state) for name, track in sorted(self._tracks.items())
+            if track.state != "normal"
+        )  # fmt: skip
 
     # -- updates ---------------------------------------------------------------------------
 
     def observe(self, step: int, observations: Sequence[LinkObservation]) -> list[Decision]:
         """Take step ``step``'s transfers and return the decisions for it, sorted by link.
 
-        Every watched link that carried at least one measurable transfer gets one sample
-        (total bytes over total latency-corrected seconds). ``step`` is the monitor's clock for
-        ``replan_after`` and must not go backwards.
+        Every watched link that carried at least one measurable transfer gets one sample.
+        ``step`` is the monitor's clock for ``warmup_steps`` and ``replan_after`` and must not
+        go backwards.
         """
         if self._last_step is not None and step < self._last_step:
             raise ValueError(
@@ -296,35 +206,49 @@ class LinkMonitor:
                 "load_state_dict restores the last step)"
             )
         self._last_step = step
-        totals: dict[Link, list[float]] = {}
+        if self._start_step is None:
+            self._start_step = step
+        if step < self._start_step + self.config.warmup_steps:
+            return []
+        per_pair: dict[Link, list[float]] = {}
         for obs in observations:
-            track = self._links.get(obs.link)
-            if track is None or obs.num_bytes < self.config.min_bytes or obs.num_bytes <= 0:
+            name = self._track_of.get(obs.link)
+            if name is None or obs.num_bytes < self.config.min_bytes or obs.num_bytes <= 0:
                 continue
-            payload_s = obs.seconds - track.expected_latency
+            payload_s = obs.seconds - self._latency.get(obs.link, 0.0)
             if not math.isfinite(payload_s) or payload_s <= _MIN_PAYLOAD_FRACTION * obs.seconds:
                 continue
-            total = totals.setdefault(obs.link, [0.0, 0.0])
+            total = per_pair.setdefault(obs.link, [0.0, 0.0])
             total[0] += obs.num_bytes
             total[1] += payload_s
+        per_track: dict[str, list[tuple[float, float]]] = {}
+        for link, (num_bytes, seconds) in per_pair.items():
+            per_track.setdefault(self._track_of[link], []).append((num_bytes, seconds))
         decisions: list[Decision] = []
-        for link in sorted(totals):
-            num_bytes, seconds = totals[link]
-            track = self._links[link]
-            track.window.append(num_bytes / seconds)
-            decision = self._advance(step, link, track)
+        for name in sorted(per_track):
+            totals = per_track[name]
+            num_bytes = sum(b for b, _ in totals)
+            track = self._tracks[name]
+            track.together.append(num_bytes / max(s for _, s in totals))
+            track.apart.append(num_bytes / sum(s for _, s in totals))
+            if track.expected is None:
+                self._calibrate(track)
+                continue
+            decision = self._advance(step, track)
             if decision is not None:
                 decisions.append(decision)
         return decisions
 
     def rebase(
         self,
-        expected_bandwidth: Mapping[Link, float],
+        expected_bandwidth: Mapping[Link, float | None],
         expected_latency: Mapping[Link, float] | None = None,
+        shared: Iterable[SharedLink] = (),
     ) -> None:
-        """Adopt a new plan's assumptions (after acting on a ``replan``): every link goes back
-        to NORMAL with split 1; measured windows of links still watched are kept."""
-        self._install(expected_bandwidth, expected_latency, keep_windows=True)
+        """Adopt a new plan's figures (after acting on a ``replan``): every link goes back to
+        NORMAL with split 1, judged against the new figures (links without one calibrate
+        again); measured windows of links still watched under the same name are kept."""
+        self._install(expected_bandwidth, expected_latency, tuple(shared), keep_windows=True)
 
     # -- checkpointing ---------------------------------------------------------------------
 
@@ -334,13 +258,17 @@ class LinkMonitor:
             "version": _STATE_DICT_VERSION,
             "config": self.config.to_dict(),
             "last_step": self._last_step,
+            "start_step": self._start_step,
+            "latency": [[s, d, lat] for (s, d), lat in sorted(self._latency.items())],
             "links": [
                 {
-                    "src": link[0],
-                    "dst": link[1],
-                    "expected_bandwidth": track.expected_bandwidth,
-                    "expected_latency": track.expected_latency,
-                    "window": list(track.window),
+                    "name": name,
+                    "pairs": [list(p) for p in track.pairs],
+                    "planned": track.planned,
+                    "expected": track.expected,
+                    "calibration": list(track.calibration),
+                    "together": list(track.together),
+                    "apart": list(track.apart),
                     "state": track.state,
                     "down_streak": track.down_streak,
                     "up_streak": track.up_streak,
@@ -348,7 +276,7 @@ class LinkMonitor:
                     "split": track.split,
                     "replanned": track.replanned,
                 }
-                for link, track in sorted(self._links.items())
+                for name, track in sorted(self._tracks.items())
             ],
         }
 
@@ -372,18 +300,23 @@ class LinkMonitor:
                 f"{changed}; continuing with the current config {self.config}",
                 stacklevel=2,
             )
-        links: dict[Link, _LinkTrack] = {}
+        size = self.config.window
+        tracks: dict[str, _Track] = {}
         for entry in state["links"]:
             state_name = entry["state"]
             if state_name not in ("normal", "degraded", "improved"):
                 raise ValueError(
-                    f"LinkMonitor.load_state_dict: link {entry['src']}->{entry['dst']} has "
-                    f"unknown state {state_name!r}; expected normal, degraded or improved"
+                    f"LinkMonitor.load_state_dict: link {entry['name']} has unknown state "
+                    f"{state_name!r}; expected normal, degraded or improved"
                 )
-            links[(int(entry["src"]), int(entry["dst"]))] = _LinkTrack(
-                expected_bandwidth=float(entry["expected_bandwidth"]),
-                expected_latency=float(entry["expected_latency"]),
-                window=deque((float(v) for v in entry["window"]), maxlen=self.config.window),
+            tracks[entry["name"]] = _Track(
+                name=entry["name"],
+                pairs=tuple(as_link(p) for p in entry["pairs"]),
+                planned=_optional_float(entry["planned"]),
+                expected=_optional_float(entry["expected"]),
+                calibration=[float(v) for v in entry["calibration"]],
+                together=deque((float(v) for v in entry["together"]), maxlen=size),
+                apart=deque((float(v) for v in entry["apart"]), maxlen=size),
                 state=state_name,
                 down_streak=int(entry["down_streak"]),
                 up_streak=int(entry["up_streak"]),
@@ -391,111 +324,158 @@ class LinkMonitor:
                 split=min(int(entry["split"]), self.config.max_split),
                 replanned=bool(entry["replanned"]),
             )
-        self._links = links
-        last_step = state.get("last_step")
-        self._last_step = None if last_step is None else int(last_step)
+        self._tracks = tracks
+        self._track_of = {pair: name for name, t in tracks.items() for pair in t.pairs}
+        self._latency = {(int(s), int(d)): float(lat) for s, d, lat in state["latency"]}
+        self._last_step = _optional_int(state.get("last_step"))
+        self._start_step = _optional_int(state.get("start_step"))
 
     # -- internals -------------------------------------------------------------------------
 
+    def _track(self, link: Link) -> _Track | None:
+        name = self._track_of.get(as_link(link))
+        return None if name is None else self._tracks[name]
+
     def _install(
         self,
-        expected_bandwidth: Mapping[Link, float],
+        expected_bandwidth: Mapping[Link, float | None],
         expected_latency: Mapping[Link, float] | None,
+        shared: tuple[SharedLink, ...],
         *,
         keep_windows: bool,
     ) -> None:
-        latency = dict(expected_latency or {})
-        links: dict[Link, _LinkTrack] = {}
+        cfg = self.config
+        figures: dict[str, tuple[tuple[Link, ...], float | None]] = {}
+        track_of: dict[Link, str] = {}
+        for group in shared:
+            if group.name in figures:
+                raise ValueError(f"shared: two links are named {group.name!r}")
+            for pair in group.pairs:
+                if pair in track_of:
+                    raise ValueError(
+                        f"shared: pair {pair} is in both {track_of[pair]!r} and {group.name!r}; "
+                        "a pair crosses one shared link at most"
+                    )
+                track_of[pair] = group.name
+            figures[group.name] = (group.pairs, group.capacity)
         for raw_link, bandwidth in expected_bandwidth.items():
-            link = _link(raw_link)
-            if not (isinstance(bandwidth, int | float) and math.isfinite(bandwidth)) or (
-                bandwidth <= 0
-            ):
-                raise ValueError(
-                    f"expected_bandwidth[{link}]: expected a finite bandwidth > 0 bytes/s, got "
-                    f"{bandwidth!r}; leave links without a real connection out of the mapping"
-                )
-            lat = latency.get(link, 0.0)
-            if not (isinstance(lat, int | float) and math.isfinite(lat)) or lat < 0:
-                raise ValueError(
-                    f"expected_latency[{link}]: expected a finite latency >= 0 seconds, got {lat!r}"
-                )
-            old = self._links.get(link) if keep_windows else None
-            window = deque(old.window if old else (), maxlen=self.config.window)
-            links[link] = _LinkTrack(float(bandwidth), float(lat), window)
-        for raw_link in latency:
-            if _link(raw_link) not in links:
+            link = as_link(raw_link)
+            if bandwidth is not None:
+                check_bandwidth(f"expected_bandwidth[{link}]", bandwidth)
+            if link in track_of:
+                continue  # judged with its shared link
+            name = f"{link[0]}->{link[1]}"
+            track_of[link] = name
+            figures[name] = ((link,), None if bandwidth is None else float(bandwidth))
+        latency: dict[Link, float] = {}
+        for raw_link, lat in (expected_latency or {}).items():
+            link = as_link(raw_link)
+            if link not in track_of:
                 raise ValueError(
                     f"expected_latency has link {raw_link} but expected_bandwidth does not; "
                     "give both for every watched link"
                 )
-        self._links = links
+            if not (isinstance(lat, int | float) and math.isfinite(lat)) or lat < 0:
+                raise ValueError(
+                    f"expected_latency[{link}]: expected a finite latency >= 0 seconds, got {lat!r}"
+                )
+            latency[link] = float(lat)
+        tracks: dict[str, _Track] = {}
+        for name, (pairs, planned) in figures.items():
+            if planned is None and cfg.calibration_steps == 0:
+                raise ValueError(
+                    f"link {name}: no expected bandwidth and calibration_steps=0; give the "
+                    "plan's figure or calibrate (calibration_steps >= 1)"
+                )
+            old = self._tracks.get(name) if keep_windows else None
+            tracks[name] = _Track(
+                name=name,
+                pairs=pairs,
+                planned=planned,
+                expected=planned if cfg.calibration_steps == 0 or keep_windows else None,
+                calibration=[],
+                together=deque(old.together if old else (), maxlen=cfg.window),
+                apart=deque(old.apart if old else (), maxlen=cfg.window),
+            )
+        self._tracks = tracks
+        self._track_of = track_of
+        self._latency = latency
 
-    def _advance(self, step: int, link: Link, track: _LinkTrack) -> Decision | None:
+    def _calibrate(self, track: _Track) -> None:
+        track.calibration.append(track.together[-1])
+        if len(track.calibration) < self.config.calibration_steps:
+            return
+        calibrated = _quantile(track.calibration, self.config.calibration_quantile)
+        track.expected = calibrated if track.planned is None else min(track.planned, calibrated)
+
+    def _advance(self, step: int, track: _Track) -> Decision | None:
         cfg = self.config
-        if len(track.window) < cfg.window:
+        if len(track.together) < cfg.window:
             return None
-        median = statistics.median(track.window)
-        expected = track.expected_bandwidth
-        slow_below = expected / cfg.slow_threshold
-        fast_above = expected * cfg.slow_threshold
+        together = statistics.median(track.together)
+        apart = statistics.median(track.apart)
+        expected = track.expected
+        assert expected is not None
         if track.state == "normal":
-            track.down_streak = track.down_streak + 1 if median < slow_below else 0
-            track.up_streak = track.up_streak + 1 if median > fast_above else 0
+            # A change must show in every sample of the window, not just its median: a
+            # receiver whose CPU quota stalls it stamps a minority of arrivals late (or early).
+            slow = max(track.together) < expected / cfg.slow_threshold
+            fast = min(track.apart) > expected * cfg.slow_threshold
+            track.down_streak = track.down_streak + 1 if slow else 0
+            track.up_streak = track.up_streak + 1 if fast else 0
             if track.down_streak >= cfg.react_after:
-                return self._enter_degraded(step, link, track, median)
+                return self._enter_degraded(step, track, together)
             if track.up_streak >= cfg.react_after:
                 self._enter(track, "improved", step)
             return None
         if track.state == "degraded":
-            recovered = median > expected / cfg.fast_threshold
+            recovered = together > expected / cfg.fast_threshold
             track.up_streak = track.up_streak + 1 if recovered else 0
             if track.up_streak >= cfg.react_after:
                 self._enter(track, "normal", step)
                 track.split = 1
                 return self._decision(
                     step,
-                    link,
                     track,
                     "merge",
-                    median,
+                    together,
                     f"median > expected/{cfg.fast_threshold:g} for {cfg.react_after} "
                     "consecutive samples; send whole micro-batches again",
                 )
-            return self._maybe_replan(step, link, track, median, "slower")
+            return self._maybe_replan(step, track, together, "slower")
         # improved
-        settled = median < expected * cfg.fast_threshold
+        settled = apart < expected * cfg.fast_threshold
         track.down_streak = track.down_streak + 1 if settled else 0
         if track.down_streak >= cfg.react_after:
             self._enter(track, "normal", step)
             return None
-        return self._maybe_replan(step, link, track, median, "faster")
+        return self._maybe_replan(step, track, apart, "faster")
 
-    def _enter_degraded(self, step: int, link: Link, track: _LinkTrack, median: float) -> Decision:
+    def _enter_degraded(self, step: int, track: _Track, median: float) -> Decision:
         cfg = self.config
         self._enter(track, "degraded", step)
-        ratio = track.expected_bandwidth / median
+        assert track.expected is not None
+        ratio = track.expected / median
         track.split = max(1, min(cfg.max_split, math.ceil(ratio * (1 - _SPLIT_RATIO_TOLERANCE))))
         return self._decision(
             step,
-            link,
             track,
             "split",
             median,
-            f"median < expected/{cfg.slow_threshold:g} for {cfg.react_after} consecutive "
-            f"samples; split each micro-batch {track.split} ways "
+            f"every sample < expected/{cfg.slow_threshold:g} for {cfg.react_after} steps, "
+            f"median {median / track.expected:.0%} of expected; {track.split} pieces per "
+            "micro-batch would restore each piece's time "
             f"(ceil({ratio:.2f}), max_split={cfg.max_split})",
         )
 
     def _maybe_replan(
-        self, step: int, link: Link, track: _LinkTrack, median: float, direction: str
+        self, step: int, track: _Track, median: float, direction: str
     ) -> Decision | None:
         if track.replanned or step - track.since_step < self.config.replan_after:
             return None
         track.replanned = True
         return self._decision(
             step,
-            link,
             track,
             "replan",
             median,
@@ -504,7 +484,7 @@ class LinkMonitor:
         )
 
     @staticmethod
-    def _enter(track: _LinkTrack, state: LinkState, step: int) -> None:
+    def _enter(track: _Track, state: LinkState, step: int) -> None:
         track.state = state
         track.since_step = step
         track.down_streak = 0
@@ -513,31 +493,34 @@ class LinkMonitor:
 
     @staticmethod
     def _decision(
-        step: int, link: Link, track: _LinkTrack, kind: DecisionKind, median: float, reason: str
+        step: int, track: _Track, kind: DecisionKind, median: float, reason: str
     ) -> Decision:
+        assert track.expected is not None
         return Decision(
             step=step,
-            link=link,
+            link=track.pairs[0],
             kind=kind,
-            old_bandwidth=track.expected_bandwidth,
+            old_bandwidth=track.expected,
             new_bandwidth=median,
             split_factor=track.split,
             reason=reason,
+            pairs=track.pairs,
+            name=track.name,
         )
 
 
-def _link(raw: Any) -> Link:
-    try:
-        src, dst = raw
-        return (int(src), int(dst))
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"link {raw!r}: expected a pair (src_rank, dst_rank) of integers"
-        ) from None
+def _quantile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def _fmt_bw(bytes_per_s: float) -> str:
-    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
-        if bytes_per_s >= scale:
-            return f"{bytes_per_s / scale:.2f} {unit}"
-    return f"{bytes_per_s:.0f} B/s"
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)

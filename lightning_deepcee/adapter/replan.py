@@ -2,16 +2,18 @@
 new plan is worth moving blocks for.
 
 Pure (stdlib plus the pure core: profiler data, planner), tested in one process. The Lightning
-Callback (:class:`~lightning_deepcee.adapter.callback.DynamicEnvironmentAdapter`) gathers every
-rank's link figures, calls :func:`observed_profile` and :func:`choose_replan` on rank 0,
-broadcasts the :class:`ReplanChoice` and, when it says so, has the strategy move the blocks
-(``DeepCEEStrategy.apply_plan``).
+Callback (:class:`~lightning_deepcee.adapter.callback.DynamicEnvironmentAdapter`) reads its
+monitor's link figures (every rank's monitor sees every rank's transfers), calls
+:func:`observed_profile` and :func:`choose_replan` on rank 0, broadcasts the
+:class:`ReplanChoice` and, when it says so, has the strategy move the blocks
+(``DeepCEEStrategy.apply_plan``); the clock then confirms the move (``adapter/guard.py``).
+:func:`observed_profile` is also what the split gate (``adapter/gate.py``) predicts on.
 
 Roughly, on a ``replan`` decision:
 
-1. every watched link the monitor finds off its expectation (state ``degraded`` or
-   ``improved``) scales the profile's bandwidth of that link by ``measured / expected``
-   (:func:`observed_profile`);
+1. every watched pair the monitor finds off its expectation (its link in state ``degraded`` or
+   ``improved``; every pair of a shared link) scales the profile's bandwidth of that pair by
+   ``measured / expected`` (:func:`observed_profile`);
 2. the current plan is re-predicted on that profile, a new plan is searched on it
    (:func:`choose_replan`);
 3. the new plan is applied only if its predicted step time beats the re-predicted current one
@@ -38,8 +40,10 @@ __all__ = [
     "ReplanChoice",
     "choose_replan",
     "figure_from_decision",
+    "figures_from_decision",
     "link_figures",
     "observed_profile",
+    "placement_key",
 ]
 
 
@@ -50,7 +54,8 @@ class LinkFigure:
     link: Link
     """``(src, dst)`` ranks."""
     expected_bandwidth: float
-    """What the monitor judges the link against, bytes/s (the calibrated figure)."""
+    """What the monitor judges the link against, bytes/s (the plan's figure, or the calibrated
+    one where that is lower)."""
     measured_bandwidth: float | None
     """The window median, bytes/s; ``None`` before the link's first sample."""
     state: LinkState
@@ -68,31 +73,58 @@ class LinkFigure:
 
 
 def link_figures(monitor_state: Mapping[str, Any]) -> list[LinkFigure]:
-    """Every watched link of a :meth:`LinkMonitor.state_dict` (the public, JSON-ready view)."""
+    """Every watched pair of a :meth:`LinkMonitor.state_dict` (the public, JSON-ready view).
+
+    The pairs of a shared link all get the shared link's figures: a wide-area link that slowed
+    down is slower for every pair that crosses it. A link still calibrating has no figure.
+
+    The change is measured against the expectation, which may be calibrated below the plan's
+    figure (a wire figure on another scale than the profiler's, or a link already slow when it
+    was calibrated); the two readings differ, and each figure takes the one closer to no change:
+    a degraded link against its expectation, an improved one against the larger of its
+    expectation and the plan's figure. The planner then never sees a link faster, or slower,
+    than both readings say.
+    """
     figures = []
     for entry in monitor_state.get("links", []):
-        window = [float(v) for v in entry["window"]]
-        figures.append(
-            LinkFigure(
-                link=(int(entry["src"]), int(entry["dst"])),
-                expected_bandwidth=float(entry["expected_bandwidth"]),
-                measured_bandwidth=statistics.median(window) if window else None,
-                state=entry["state"],
+        expected = entry["expected"]
+        if expected is None:
+            continue
+        state = entry["state"]
+        if state == "improved" and entry.get("planned") is not None:
+            expected = max(expected, entry["planned"])
+        window = [float(v) for v in entry["apart" if state == "improved" else "together"]]
+        for src, dst in entry["pairs"]:
+            figures.append(
+                LinkFigure(
+                    link=(int(src), int(dst)),
+                    expected_bandwidth=float(expected),
+                    measured_bandwidth=statistics.median(window) if window else None,
+                    state=state,
+                )
             )
-        )
     return figures
 
 
 def figure_from_decision(decision: Mapping[str, Any]) -> LinkFigure:
-    """A ``replan`` decision's own figures (``Decision.to_dict()``) as a :class:`LinkFigure`."""
+    """A ``replan`` decision's own figures (``Decision.to_dict()``) as a :class:`LinkFigure`
+    of its first pair (:func:`figures_from_decision` gives every pair of a shared link)."""
+    return figures_from_decision(decision)[0]
+
+
+def figures_from_decision(decision: Mapping[str, Any]) -> list[LinkFigure]:
+    """A decision's figures (``Decision.to_dict()``) for every pair it covers."""
     old, new = float(decision["old_bandwidth"]), float(decision["new_bandwidth"])
-    src, dst = decision["link"]
-    return LinkFigure(
-        link=(int(src), int(dst)),
-        expected_bandwidth=old,
-        measured_bandwidth=new,
-        state="degraded" if new < old else "improved",
-    )
+    pairs = decision.get("pairs") or [decision["link"]]
+    return [
+        LinkFigure(
+            link=(int(src), int(dst)),
+            expected_bandwidth=old,
+            measured_bandwidth=new,
+            state="degraded" if new < old else "improved",
+        )
+        for src, dst in pairs
+    ]
 
 
 def observed_profile(
@@ -102,10 +134,11 @@ def observed_profile(
 
     A link in state ``degraded`` or ``improved`` gets ``profile bandwidth * measured / expected``.
     The ratio, not the measured figure itself, goes into the profile: the monitor's expectation
-    is calibrated on the running schedule's own transfers (wire time of its message sizes),
-    which is not on the same scale as the profiler's large-message measurement; the ratio keeps
-    the rescaled link comparable with every other link of the matrix, which the planner weighs
-    against it. When the expectation equals the profile's figure the two are the same.
+    may be calibrated on the running schedule's own transfers (wire time of its message sizes),
+    which need not be on the scale of the profiler's large-message measurement, and a shared
+    link's figure is a capacity, not a pair's; the ratio keeps the rescaled pair comparable with
+    every other link of the matrix, which the planner weighs against it. When the expectation
+    equals the profile's figure the two are the same.
 
     The reverse direction of a rescaled link gets the same ratio unless it has its own
     observation: a link watched in state ``normal`` keeps its figure, one off its expectation
@@ -187,6 +220,16 @@ class ReplanChoice:
             plan=None if plan is None else Plan.from_dict(plan),
             reason=str(data["reason"]),
         )
+
+
+def placement_key(plan: Plan) -> list[Any]:
+    """What a plan decides about placement (stages, devices, shares, schedule), JSON-ready;
+    not its micro-batch count, which the fast response changes."""
+    stages = [
+        [list(st.block_range), list(st.ranks), [round(x, 6) for x in st.batch_shares]]
+        for st in plan.stages
+    ]
+    return [stages, plan.schedule]
 
 
 def _layout(plan: Plan) -> tuple[Any, ...]:

@@ -136,7 +136,8 @@ class SearchContext:
         """Per-sample seconds of a stage on ``ranks`` for each block range ``[i, j)``.
 
         With speed-proportional shares the stage takes ``1 / sum_d (1 / T_d)`` per sample; a range
-        whose parameter state does not fit every device is infinite.
+        is infinite where some device cannot hold its parameter state and one sample in flight
+        (every device of a stage holds at least one row: a bound no schedule goes below).
         """
         if ranks not in self._range_cost:
             arrays = self.evaluator.arrays
@@ -146,9 +147,10 @@ class SearchContext:
                 speed = np.where(per_device > 0, 1.0 / per_device, np.inf).sum(axis=0)
                 cost = np.where(speed > 0, 1.0 / speed, np.inf)
             if self.memory_check:
-                params = arrays.parameter_prefix
+                params, saved = arrays.parameter_prefix, arrays.saved_prefix
                 state = self.evaluator.config.state_copies * (params[None, :] - params[:, None])
-                cost = np.where(state > arrays.memory[list(ranks)].min(), np.inf, cost)
+                need = state + saved[None, :] - saved[:, None] + arrays.transient_peak
+                cost = np.where(need > arrays.memory[list(ranks)].min(), np.inf, cost)
             self._range_cost[ranks] = cost
         return self._range_cost[ranks]
 

@@ -75,8 +75,14 @@ evaluator instead. The model, stated once:
   measured) times its stage's parameter bytes; the slowest device's is added. Every device of
   a stage updates the whole stage. A measured rate matters: small devices are several times
   slower than the constant's memory bandwidth.
-- **Memory.** ``parameter_bytes * state_copies`` (weights, gradients, two Adam moments) plus the
-  simulator's peak of in-flight activations, scaled by the device's share.
+- **Memory.** Per device, ``parameter_bytes * state_copies`` (weights, gradients, two Adam
+  moments) plus the simulator's peak of what its stage holds: for every micro-batch in flight
+  (from its F to its W or BW) the bytes its blocks save for backward, and, for the micro-batch
+  being computed, the largest transient of its blocks; both per sample
+  (``DeviceProfile.saved_bytes`` and ``transient_bytes``) times the whole rows the device holds
+  of the largest micro-batch (compute is charged by its mean rows). A profile without them
+  holds each block's output (``activation_bytes``) and no transient, which undercounts a
+  transformer layer many times over.
 
 ``step_time_s = simulated pipeline + slowest stage all-reduce + optimizer``, or the CPU floor
 when that is longer. See ``docs/planner.md`` for the correspondence with DeepCEE's Eq. 1.
@@ -143,8 +149,9 @@ def speed_shares(
     """Batch shares proportional to each device's speed on ``block_range``, bounded by memory.
 
     Device ``d``'s share is capped at what its memory holds after the stage's parameter state:
-    ``(memory_bytes - state_copies * parameter_bytes) / (in_flight * microbatch_size *
-    activation_bytes_per_sample)``; the rest of the batch is redistributed in proportion to the
+    ``(memory_bytes - state_copies * parameter_bytes) / (microbatch_size * (in_flight *
+    saved_bytes + transient_bytes))``, bytes per sample of the stage (see *Memory* above); the
+    rest of the batch is redistributed in proportion to the
     speed of the uncapped devices (water filling). ``None`` when the devices cannot hold the stage
     at all. ``bounded_by_memory=False`` gives the plain speed-proportional shares.
     """
@@ -162,9 +169,9 @@ def stage_costs(
 ) -> StageCosts:
     """Simulator costs of one micro-batch of ``microbatch_size`` samples on each stage.
 
-    ``activation_bytes`` is a whole micro-batch's saved activations on the stage (each device
-    holds its share of it); ``static_memory_bytes`` is left unset (added per device by
-    :func:`predict`).
+    ``activation_bytes`` is what a whole micro-batch saves for backward on the stage and
+    ``transient_bytes`` what it needs beyond that while it computes (each device holds its share
+    of both); ``static_memory_bytes`` is left unset (added per device by :func:`predict`).
     """
     return Evaluator(profile).stage_costs(stages, microbatch_size=microbatch_size)
 

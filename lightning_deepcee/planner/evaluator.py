@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,6 +36,9 @@ from lightning_deepcee.schedule.validate import validate
 __all__ = ["Evaluator", "in_flight_microbatches"]
 
 Array = npt.NDArray[np.float64]
+
+_ROW_SLACK = 1e-9
+"""Rounding slack when shares times rows are whole numbers up to float error."""
 
 _LOWERED_CACHE_SIZE = 256
 """Lowered schedules an evaluator keeps; beyond, the memo is cleared (they are cheap to redo)."""
@@ -57,6 +61,17 @@ def _peak_held(stage_schedule: StageSchedule, stage: int) -> int:
         elif action.kind in (ActionKind.W, ActionKind.BW):
             held -= 1
     return peak
+
+
+def _peak_rows(shares: Sequence[float], microbatch_size: float) -> Array:
+    """Whole rows each device holds of the largest micro-batch: what its memory must fit.
+
+    The runtime gives a device the floor or the ceiling of its share of each micro-batch's rows
+    (:func:`~lightning_deepcee.runtime.rows.split_step_rows`), and a micro-batch has at most
+    ``ceil(microbatch_size)`` rows. Compute is charged by the mean rows; memory by the most.
+    """
+    largest = max(1, math.ceil(microbatch_size - _ROW_SLACK))
+    return np.ceil(np.asarray(shares, dtype=np.float64) * largest - _ROW_SLACK)
 
 
 def _row_overlaps(
@@ -137,11 +152,13 @@ class Evaluator:
     ) -> tuple[float, ...] | None:
         """Batch shares proportional to each device's speed on ``block_range``, bounded by memory.
 
-        Device ``d``'s share is capped at what its memory holds after the stage's parameter
-        state: ``(memory_bytes - state_copies * parameter_bytes) / (in_flight * microbatch_size *
-        activation_bytes_per_sample)``; the rest of the batch goes to the uncapped devices in
-        proportion to their speed (water filling). ``None`` when the devices cannot hold the
-        stage at all. ``bounded_by_memory=False`` gives the plain speed-proportional shares.
+        Device ``d``'s share is capped at the whole rows its memory holds after the stage's
+        parameter state, ``floor((memory_bytes - state_copies * parameter_bytes) / (in_flight *
+        saved_bytes + transient_bytes))`` (bytes per sample of the stage), over the rows of the
+        largest micro-batch (see :func:`_peak_rows`); the rest of the batch goes to the uncapped
+        devices in proportion to their speed (water filling). ``None`` when the devices cannot
+        hold the stage at all. ``bounded_by_memory=False`` gives the plain speed-proportional
+        shares.
         """
         arrays = self.arrays
         start, end = block_range
@@ -153,8 +170,12 @@ class Evaluator:
         free = arrays.memory[index] - self.config.state_copies * arrays.parameter_bytes(block_range)
         if (free < 0).any():
             return None
-        per_share = in_flight * microbatch_size * arrays.activation_bytes(block_range)
-        caps = free / per_share if per_share > 0 else np.full(len(ranks), np.inf)
+        per_row = in_flight * arrays.saved_bytes(block_range) + arrays.transient_bytes(block_range)
+        largest = max(1, math.ceil(microbatch_size - _ROW_SLACK))
+        if per_row > 0:
+            caps = np.floor(free / per_row + _ROW_SLACK) / largest
+        else:
+            caps = np.full(len(ranks), np.inf)
         shares = np.zeros(len(ranks))
         open_ = np.ones(len(ranks), dtype=bool)
         remaining = 1.0
@@ -240,9 +261,10 @@ class Evaluator:
     def stage_costs(self, stages: Sequence[StagePlan], *, microbatch_size: float) -> StageCosts:
         """Simulator costs of one micro-batch of ``microbatch_size`` samples on each stage.
 
-        ``activation_bytes`` is a whole micro-batch's saved activations on the stage (each
-        device holds its share of it); ``static_memory_bytes`` is left unset (:meth:`predict`
-        adds the parameter state per device).
+        ``activation_bytes`` is what a whole micro-batch's F saves on the stage until its W, and
+        ``transient_bytes`` what its F, B or W needs beyond that while it runs (each device
+        holds its share of both); ``static_memory_bytes`` is left unset (:meth:`predict` adds
+        the parameter state per device). Transfers carry the boundary block's output bytes.
         """
         arrays = self.arrays
         self.check_stages(stages)
@@ -251,6 +273,7 @@ class Evaluator:
         backward_input: list[float] = []
         backward_weight: list[float] = []
         activation: list[float] = []
+        transient: list[float] = []
         share: list[float] = []
         period: list[float] = []
         last = len(stages) - 1
@@ -277,7 +300,8 @@ class Evaluator:
             slowest = int(index[int(np.argmax(stage_total))])
             share.append(float(arrays.cpu_share[slowest]))
             period.append(float(arrays.cpu_period[slowest]))
-            activation.append(arrays.activation_bytes(stage.block_range) * b)
+            activation.append(arrays.saved_bytes(stage.block_range) * b)
+            transient.append(arrays.transient_bytes(stage.block_range) * b)
         send_forward, send_backward = [], []
         for sender, receiver in itertools.pairwise(stages):
             num_bytes = float(arrays.activation[sender.block_range[1] - 1]) * b
@@ -288,6 +312,7 @@ class Evaluator:
             backward_input_s=tuple(backward_input),
             backward_weight_s=tuple(backward_weight),
             activation_bytes=tuple(activation),
+            transient_bytes=tuple(transient),
             send_forward_s=tuple(send_forward),
             send_backward_s=tuple(send_backward),
             cpu_share=tuple(share) if arrays.has_quota else None,
@@ -391,8 +416,9 @@ class Evaluator:
                 )
                 floor_s = self._cpu_floor(stages, s, busy_s, rates * params, m * b)
                 cpu_floor_s = max(cpu_floor_s, floor_s)
+            per_row = activation_peak[s] / b  # the simulator's peak is for b rows
             peaks = np.round(
-                config.state_copies * params + activation_peak[s] * np.asarray(stage.batch_shares)
+                config.state_copies * params + per_row * _peak_rows(stage.batch_shares, b)
             )
             memory.update(zip(stage.ranks, peaks.astype(np.int64).tolist(), strict=True))
             over.extend(index[peaks > arrays.memory[index]].tolist())

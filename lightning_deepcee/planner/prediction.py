@@ -65,7 +65,8 @@ class Prediction:
     bubble_ratio: float
     """Idle share of stage-time in the simulated pipeline."""
     peak_memory_bytes: dict[int, int]
-    """Peak bytes per rank: parameter state plus in-flight activations (scaled by share)."""
+    """Peak bytes per rank: parameter state, plus what in-flight micro-batches save for
+    backward and the transient of the one computing (scaled by the rank's share)."""
     pipeline_s: float
     """Simulated time of the forward/backward pipeline (compute and non-hidden transfers)."""
     compute_s: float

@@ -3,8 +3,9 @@
 A :class:`~lightning_deepcee.profiler.ClusterProfile` is a tree of frozen tuples (two ``n x n``
 link matrices among them), too slow to read per candidate. :class:`ProfileArrays` turns it once
 into the arrays the cost model indexes: link matrices, per-device prefix sums of block times
-(split into per-sample slope and fixed part), per-block bytes, per-device memory, optimizer
-rates and CPU quotas, and the network groups with the WAN capacity between them. An
+(split into per-sample slope and fixed part), per-block bytes (output, held for backward,
+transient, parameters), per-device memory, optimizer rates and CPU quotas, and the network
+groups with the WAN capacity between them. An
 :class:`~lightning_deepcee.planner.evaluator.Evaluator` owns one.
 
 Pure: numpy and the standard library (no torch, no lightning).
@@ -71,8 +72,20 @@ class ProfileArrays:
         act = np.array([d.activation_bytes for d in devices], dtype=np.float64).max(axis=0)
         params = np.array([d.parameter_bytes for d in devices], dtype=np.float64).max(0)
         self.activation: Array = act
-        """Output bytes per sample of each block (the largest over devices)."""
-        self.activation_prefix: Array = np.concatenate([[0.0], np.cumsum(act)])
+        """Output bytes per sample of each block (the largest over devices): what crosses a
+        stage boundary."""
+        saved = np.array([d.held_bytes for d in devices], dtype=np.float64).max(axis=0)
+        self.saved_prefix: Array = np.concatenate([[0.0], np.cumsum(saved)])
+        """Prefix sums of the bytes per sample each block holds per micro-batch in flight
+        (``DeviceProfile.held_bytes``, the largest over devices)."""
+        transient = np.array(
+            [d.transient_bytes or (0,) * len(d.forward_s) for d in devices], dtype=np.float64
+        ).max(axis=0)
+        self.transient_peak: Array = np.zeros((len(transient) + 1, len(transient) + 1))
+        """``[start, end]``: the largest transient bytes per sample of blocks ``[start, end)``
+        beyond what they hold (the largest over devices; 0 where not measured)."""
+        for start in range(len(transient)):
+            self.transient_peak[start, start + 1 :] = np.maximum.accumulate(transient[start:])
         self.parameter_prefix: Array = np.concatenate([[0.0], np.cumsum(params)])
         self.memory: Array = np.array([d.memory_bytes for d in devices], dtype=np.float64)
         self.optimizer_rate: Array = np.array(
@@ -102,7 +115,13 @@ class ProfileArrays:
         """Parameter bytes of the blocks ``[start, end)`` (the largest over devices)."""
         return float(self.parameter_prefix[block_range[1]] - self.parameter_prefix[block_range[0]])
 
-    def activation_bytes(self, block_range: tuple[int, int]) -> float:
-        """Saved activations per sample of a stage: the outputs of all its blocks."""
+    def saved_bytes(self, block_range: tuple[int, int]) -> float:
+        """Bytes per sample a stage on blocks ``[start, end)`` holds per micro-batch in flight,
+        from its F to its W: what all its blocks save for backward."""
         start, end = block_range
-        return float(self.activation_prefix[end] - self.activation_prefix[start])
+        return float(self.saved_prefix[end] - self.saved_prefix[start])
+
+    def transient_bytes(self, block_range: tuple[int, int]) -> float:
+        """Bytes per sample a stage needs beyond what it holds while it computes: the largest
+        transient of its blocks (they run one at a time)."""
+        return float(self.transient_peak[block_range])

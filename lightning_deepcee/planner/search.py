@@ -401,12 +401,15 @@ def _infeasible(context: SearchContext) -> ValueError:
     total = float(arrays.parameter_prefix[-1]) * copies
     n = context.profile.num_blocks
     gib = 2.0**30
-    if per_block.max() > largest_memory:
-        block = int(per_block.argmax())
+    one_sample = np.diff(arrays.saved_prefix) + np.diag(arrays.transient_peak, 1)
+    if (per_block + one_sample).max() > largest_memory:
+        block = int((per_block + one_sample).argmax())
         return ValueError(
             f"No plan fits in memory: block {block} alone needs {per_block[block] / gib:.2f} GiB "
-            f"of parameter state ({copies} copies of its parameters) but the largest device has "
-            f"{largest_memory / gib:.2f} GiB. Split the model into smaller blocks or add memory."
+            f"of parameter state ({copies} copies of its parameters) and "
+            f"{one_sample[block] / gib:.2f} GiB of activations for one sample, but the largest "
+            f"device has {largest_memory / gib:.2f} GiB. Split the model into smaller blocks or "
+            "add memory."
         )
     needed = math.ceil(total / largest_memory)
     if needed > n:

@@ -24,7 +24,12 @@ PER_BLOCK_FIELDS = (
     "parameter_bytes",
 )
 
-PROFILE_ARRAYS = frozenset({*PER_BLOCK_FIELDS, "fixed_s", "latency_s", "bandwidth_bytes_per_s"})
+OPTIONAL_PER_BLOCK_FIELDS = ("fixed_s", "saved_bytes", "transient_bytes")
+"""Per-block fields a profile may leave empty (hand-written, or measured before they existed)."""
+
+PROFILE_ARRAYS = frozenset(
+    {*PER_BLOCK_FIELDS, *OPTIONAL_PER_BLOCK_FIELDS, "latency_s", "bandwidth_bytes_per_s"}
+)
 """Fields the profile types check entry by entry themselves; the schema loader passes them on
 unconverted (omegaconf would build one node per number)."""
 
@@ -97,7 +102,8 @@ class DeviceProfile:
     backward_weight_s: tuple[float, ...]
     """Seconds for each block's gradient with respect to its weights (``W``)."""
     activation_bytes: tuple[int, ...]
-    """Bytes of each block's output activation, per sample."""
+    """Bytes of each block's output activation, per sample: what a stage sends to the next one
+    (and, where ``saved_bytes`` is empty, the planner's estimate of what a block keeps)."""
     parameter_bytes: tuple[int, ...]
     """Bytes of each block's parameters."""
     reference_microbatch_size: int
@@ -115,6 +121,15 @@ class DeviceProfile:
     ``torch.optim.Adam`` on a block's parameters, at the sustained speed). 0 (the default, and
     hand-written profiles) means not measured: the planner then uses
     ``CostModelConfig.optimizer_s_per_byte``."""
+    saved_bytes: tuple[int, ...] = ()
+    """Bytes per sample that autograd keeps from each block's forward until its backward
+    (intermediates, the block's input when saved; parameters and buffers not counted): what a
+    stage holds for every micro-batch in flight. Empty (the default, e.g. a hand-written profile
+    or one measured without it) means ``activation_bytes``."""
+    transient_bytes: tuple[int, ...] = ()
+    """Bytes per sample each block needs beyond ``saved_bytes`` at the peak of its forward and
+    backward (the output, its gradient, intermediate gradients), held only while it computes.
+    Empty (the default) means 0."""
     cpu_share: float = 1.0
     """Under a CPU quota (a container's CPU limit, a Linux cgroup's CFS quota), the fraction of
     a core the device may use on average: ``quota / period``, at most 1. The ``*_s`` times above
@@ -167,6 +182,14 @@ class DeviceProfile:
             ),
         )
         self._check_fixed_s()
+        for name in ("saved_bytes", "transient_bytes"):
+            values = check.sequence(name, getattr(self, name), check.byte_count)
+            if values and len(values) != len(self.forward_s):
+                raise ValueError(
+                    f"{name}: expected {len(self.forward_s)} entries (one per block, like "
+                    f"forward_s) or none, got {len(values)}"
+                )
+            set_field(self, name, values)
         set_field(
             self,
             "optimizer_s_per_byte",
@@ -210,6 +233,12 @@ class DeviceProfile:
     def num_blocks(self) -> int:
         """Number of model blocks this profile covers."""
         return len(self.forward_s)
+
+    @property
+    def held_bytes(self) -> tuple[int, ...]:
+        """Bytes per sample each block holds per micro-batch in flight: ``saved_bytes`` where
+        measured, else ``activation_bytes``."""
+        return self.saved_bytes or self.activation_bytes
 
     @property
     def block_seconds(self) -> tuple[float, ...]:

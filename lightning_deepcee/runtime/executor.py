@@ -36,6 +36,7 @@ import torch
 from torch.profiler import record_function
 
 from lightning_deepcee._compat import stage_backward_input, stage_backward_weight
+from lightning_deepcee.runtime.measure.saved import SavedTensorsMeter
 from lightning_deepcee.runtime.routing import Piece, Router
 from lightning_deepcee.runtime.stage import Stage, batch_size_of, split_batch
 from lightning_deepcee.runtime.transport import P2PTransport, PeerLostError
@@ -73,6 +74,11 @@ class StepStats:
     held back by a CPU quota, wall time in an action is CPU plus stall, and only CPU is work."""
     cpu_s: float = 0.0
     """This thread's CPU seconds over the whole step (actions, and the work between them)."""
+    peak_saved_bytes: int | None = None
+    """The most bytes of tensors autograd held for backward at once during the step (each
+    storage once, parameters and buffers excluded): the measured counterpart of the held part
+    of ``Prediction.peak_memory_bytes``. ``None`` unless the executor runs with
+    ``measure_saved=True``."""
     grad_sync_s: float = 0.0
     """Wall seconds of the all-reduce that sums the stage's gradients over the devices sharing
     it (data parallelism inside a stage; 0 on a stage with one device). Set by
@@ -122,6 +128,9 @@ class PipelineExecutor:
         loss_fn / input_fn / metrics_fn: from the model's :class:`PipelineSpec`.
         rank: this rank, for error messages.
         keep_outputs: prediction: keep the last stage's outputs, compute no loss.
+        measure_saved: track the bytes autograd saves for backward during each step
+            (:class:`~lightning_deepcee.runtime.measure.SavedTensorsMeter`) and report their
+            peak as ``StepStats.peak_saved_bytes``; costs a Python call per saved tensor.
     """
 
     def __init__(
@@ -136,6 +145,7 @@ class PipelineExecutor:
         rank: int,
         metrics_fn: Callable[[Any, Any], Mapping[str, torch.Tensor | float]] | None = None,
         keep_outputs: bool = False,
+        measure_saved: bool = False,
     ) -> None:
         self.stage = stage
         self.actions = list(actions)
@@ -146,6 +156,7 @@ class PipelineExecutor:
         self.metrics_fn = metrics_fn
         self.rank = rank
         self.keep_outputs = keep_outputs
+        self.measure_saved = measure_saved
         self.last_outputs: list[tuple[int, int, Any]] = []
         """``keep_outputs`` (prediction): the last stage's outputs of the last step, as
         ``(micro-batch index, first row, output)``."""
@@ -187,9 +198,36 @@ class PipelineExecutor:
         # The first step's messages cannot be counted ahead (structures travel in it): every
         # rank posts nothing then.
         self.transport.begin_step(self._kind, sources, post=self._runs > 0)
-        loss: torch.Tensor | None = None
         self.last_metrics = {}
         self.last_outputs = []
+        meter = self._saved_meter()
+        with meter or contextlib.nullcontext():
+            loss = self._run_actions(states, stats, forward_context)
+        if meter is not None:
+            stats.peak_saved_bytes = meter.peak_bytes
+        stats.seconds_by_kind["WAIT_SENDS"] += self.transport.wait_sends()
+        self.transport.end_step()
+        stats.wall_s = time.perf_counter() - start
+        stats.cpu_s = time.thread_time() - cpu_start
+        self.last_stats = stats
+        self._runs += 1
+        return loss
+
+    def _saved_meter(self) -> SavedTensorsMeter | None:
+        if not self.measure_saved:
+            return None
+        blocks = self.stage.blocks
+        static = [t for block in blocks for t in (*block.parameters(), *block.buffers())]
+        return SavedTensorsMeter(exclude=static)
+
+    def _run_actions(
+        self,
+        states: Sequence[_MicroBatchState],
+        stats: StepStats,
+        forward_context: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> torch.Tensor | None:
+        """Every action of the schedule, in order; the weighted loss sum on the last stage."""
+        loss: torch.Tensor | None = None
         for pos, action in enumerate(self.actions):
             st = states[action.microbatch]
             if st.num_rows == 0:
@@ -210,12 +248,6 @@ class PipelineExecutor:
             stats.timeline.append((action, t0, t1))
             if out is not None:
                 loss = out if loss is None else loss + out
-        stats.seconds_by_kind["WAIT_SENDS"] += self.transport.wait_sends()
-        self.transport.end_step()
-        stats.wall_s = time.perf_counter() - start
-        stats.cpu_s = time.thread_time() - cpu_start
-        self.last_stats = stats
-        self._runs += 1
         return loss
 
     def _sources(self, states: Sequence[_MicroBatchState]) -> list[int]:

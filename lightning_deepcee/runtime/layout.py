@@ -271,11 +271,13 @@ def build_executors(
     rank: int,
     device: torch.device,
     receive_ahead: bool,
+    measure_saved: bool = False,
 ) -> Executors:
     """Lower and validate the plan's schedule for ``num_microbatches``, then build executors.
 
     The schedule is per stage; devices sharing a stage run the same list, and the router
     expands each transfer into the row pieces exchanged with the neighbouring devices.
+    ``measure_saved``: the training executor reports ``StepStats.peak_saved_bytes``.
     """
     num_stages = plan.num_stages
     placement = {s: s for s in range(num_stages)}
@@ -294,7 +296,9 @@ def build_executors(
     evaluation = lower(forward_only(num_stages, m), placement)
     validate(evaluation, placement, m, require_backward=False)
     return Executors(
-        train=PipelineExecutor(actions=train[stage.stage_index], **common),
+        train=PipelineExecutor(
+            actions=train[stage.stage_index], measure_saved=measure_saved, **common
+        ),
         evaluation=PipelineExecutor(actions=evaluation[stage.stage_index], **common),
         prediction=PipelineExecutor(
             actions=evaluation[stage.stage_index], keep_outputs=True, **common

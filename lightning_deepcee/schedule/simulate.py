@@ -8,6 +8,7 @@ This module owns the timing model the planner uses to compare schedules before a
   both the sender has reached the SEND and the previous message on that link has arrived;
 - a RECV blocks its rank until the matching message has fully arrived;
 - a (stage, micro-batch) holds its activations from the start of its F to the end of its W or BW;
+  while a rank computes F, B, W or BW it also needs its stage's transient bytes on top;
 - **CPU quotas** (``StageCosts.cpu_share`` and ``cpu_period_s``): a device limited to a share of
   a core (a container's CPU limit; Linux CFS lets it run ``share * period`` seconds each period
   at full speed, then stalls it) takes the given times when it computes without pause, but what
@@ -80,6 +81,9 @@ class StageCosts:
     """Seconds to move one gradient from stage ``s + 1`` to ``s``; ``num_stages - 1`` entries."""
     static_memory_bytes: tuple[float, ...] | None = None
     """Bytes each stage holds all step (weights, gradients, optimizer state); None means 0."""
+    transient_bytes: tuple[float, ...] | None = None
+    """Bytes each stage needs beyond its held activations while it computes one micro-batch's F,
+    B, W or BW (intermediates, gradients); scaled like ``activation_bytes``. None means 0."""
     microbatch_scale: tuple[float, ...] | None = None
     """Micro-batch ``i``'s compute, transfer and activation costs are multiplied by ``scale[i]``
     (unequal micro-batch sizes); None means all 1."""
@@ -95,8 +99,9 @@ class StageCosts:
         if p < 1:
             raise ValueError("StageCosts.forward_s is empty; give one entry per stage.")
         per_stage = ["forward_s", "backward_input_s", "backward_weight_s", "activation_bytes"]
-        if self.static_memory_bytes is not None:
-            per_stage.append("static_memory_bytes")
+        for name in ("static_memory_bytes", "transient_bytes"):
+            if getattr(self, name) is not None:
+                per_stage.append(name)
         for name in [*per_stage, "send_forward_s", "send_backward_s", "microbatch_scale"]:
             value = getattr(self, name)
             if value is not None:
@@ -190,7 +195,8 @@ class SimulationResult:
     bubble_ratio: float
     """``1 - total busy / (num_ranks * step_time)``: the share of rank-time spent idle."""
     peak_memory_bytes: dict[int, int]
-    """Static memory plus the peak of concurrently held activations, per rank."""
+    """Static memory plus the peak of concurrently held activations (with the transient bytes of
+    the action computing then), per rank."""
     events: tuple[SimEvent, ...] = field(default=())
     """Compute events and transfers, sorted by start time."""
 
@@ -408,8 +414,10 @@ def _peak_memory(
     costs: StageCosts,
     scale: Sequence[float],
 ) -> dict[int, int]:
-    """Static bytes plus the peak of activations held between F and W/BW, per rank."""
+    """Static bytes plus the peak of activations held between F and W/BW, per rank, with the
+    transient bytes of the action computing at that moment."""
     static = costs.static_memory_bytes or (0.0,) * costs.num_stages
+    transient = costs.transient_bytes or (0.0,) * costs.num_stages
     out: dict[int, int] = {}
     for rank, actions in schedule.items():
         base = sum(static[s] for s, r in stage_to_rank.items() if r == rank and s < len(static))
@@ -420,8 +428,9 @@ def _peak_memory(
             if a.kind == K.F:
                 held[key] = costs.activation_bytes[a.stage] * scale[a.microbatch]
                 current += held[key]
-                peak = max(peak, current)
-            elif a.kind in (K.W, K.BW) and key in held:
+            if a.kind in (K.F, K.B, K.W, K.BW):
+                peak = max(peak, current + transient[a.stage] * scale[a.microbatch])
+            if a.kind in (K.W, K.BW) and key in held:
                 current -= held.pop(key)
         out[rank] = round(base + peak)
     return out

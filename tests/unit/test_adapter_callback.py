@@ -1,88 +1,138 @@
-"""DynamicEnvironmentAdapter._decide: which decisions change the micro-batch count."""
+"""DynamicEnvironmentAdapter's wiring in one process: its arguments, what one step's all-reduce
+carries, and its checkpointed state. (Its decisions on synthetic streams:
+``test_adapter_decisions.py``.)"""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from lightning_deepcee import DeepCEEStrategy, DynamicEnvironmentAdapter
+from lightning_deepcee.planner import Plan, StagePlan
+from lightning_deepcee.runtime.transport import TransferRecord
 
 
-class _Strategy(DeepCEEStrategy):
-    """A DeepCEEStrategy that only records micro-batch changes (no processes)."""
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"split_gain": 1.0}, "split_gain must be in"),
+        ({"replan_gain": -0.1}, "replan_gain must be in"),
+        ({"confirm_gain": 1.0}, "min_gain"),
+        ({"confirm_window": 0}, "window"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"calibration_quantile": 1.5}, "calibration_quantile"),
+        ({"fast_threshold": 2.0}, "fast_threshold < slow_threshold"),
+    ],
+)
+def test_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DynamicEnvironmentAdapter(**kwargs)
+
+
+def _plan() -> Plan:
+    return Plan(
+        stages=(
+            StagePlan(block_range=(0, 1), ranks=(0, 1), batch_shares=(0.5, 0.5)),
+            StagePlan(block_range=(1, 2), ranks=(2,), batch_shares=(1.0,)),
+        ),
+        schedule="1f1b",
+        num_microbatches=2,
+        global_batch_size=8,
+        predicted_step_time_s=0.0,
+        predicted_bubble_ratio=0.0,
+        predicted_peak_memory_bytes={},
+        model_fingerprint="m",
+        cluster_fingerprint="",
+    )
+
+
+class _Rank2(DeepCEEStrategy):
+    """Rank 2 of 3 in a run of ``_plan()``, with given transfers; no processes."""
+
+    def __init__(self, records: list[TransferRecord]) -> None:
+        super().__init__()
+        self.plan = _plan()
+        self.num_microbatches = 2
+        self._records = records
+
+    @property
+    def world_size(self) -> int:
+        return 3
+
+    @property
+    def global_rank(self) -> int:
+        return 2
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def transfer_records(self) -> list[TransferRecord]:
+        return self._records
 
     def set_num_microbatches(self, num_microbatches: int) -> None:
         self.num_microbatches = num_microbatches
 
 
-def _decision(kind: str, link: tuple[int, int], step_bytes: int, new_bw: float) -> dict[str, Any]:
-    return dict(
-        step=20, link=list(link), kind=kind, old_bandwidth=2.0 * new_bw, new_bandwidth=new_bw,
-        split_factor=2 if kind == "split" else 1, reason="test", step_bytes=step_bytes,
-        step_s=1.0,
-    )  # fmt: skip
+def test_one_all_reduce_carries_the_pairs_wire_time_step_time_and_proposals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    records = [
+        TransferRecord(0, 1 << 20, 5.0, "recv", wire_s=0.5),  # 0->2: counted on the wire
+        TransferRecord(0, 1 << 20, 5.0, "recv", wire_s=0.25),  # ... twice in the step
+        TransferRecord(1, 1000, 0.1, "recv", wire_s=0.01),  # 1->2: under min_bytes
+        TransferRecord(1, 1 << 20, 0.1, "recv", wire_s=None),  # no wire time: not counted
+        TransferRecord(0, 1 << 20, 0.3, "send"),  # a send: its receiver counts it
+    ]
+    strategy = _Rank2(records)
+    adapter = DynamicEnvironmentAdapter(max_split=2)
+    trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=0)
+    with pytest.warns(UserWarning, match="no cluster profile"):
+        adapter.on_train_start(trainer, None)
+    assert adapter._pairs == [(0, 2), (1, 2), (2, 0), (2, 1)]
+    sent: list[list[float]] = []
+
+    def all_reduce(tensor: torch.Tensor, op: Any = None) -> None:
+        sent.append(tensor.tolist())
+        tensor[8] += 0.7  # rank 0's step time (other ranks fill their own slots)
+        tensor[12] += 2.0  # rank 1 has two proposals
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    rows, slowest, anyone = adapter._exchange(strategy, 0.4, 0)
+    # 4 pairs x (bytes, seconds), then the step time and proposal count of each of 3 ranks.
+    assert sent == [[2 << 20, 0, 0, 0, 0.75, 0, 0, 0, 0, 0, 0.4, 0, 0, 0]]
+    assert rows == [[0, 2, 2 << 20, 0.75]]
+    assert slowest == 0.7 and anyone
 
 
-def _two_microbatch_run(**adapter_args: Any) -> tuple[Any, Any, DynamicEnvironmentAdapter]:
-    """A 1F1B strategy of 2 micro-batches at step 20 and an adapter that knows that count."""
-    strategy = _Strategy(schedule="1f1b", num_microbatches=2)
-    trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=20)
-    adapter = DynamicEnvironmentAdapter(**adapter_args)
-    adapter._base_microbatches = 2
-    return strategy, trainer, adapter
+def test_the_state_round_trips_and_an_older_one_starts_afresh() -> None:
+    strategy = _Rank2([])
+    adapter = DynamicEnvironmentAdapter()
+    trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=0)
+    with pytest.warns(UserWarning):
+        adapter.on_train_start(trainer, None)
+    adapter._split = 2
+    adapter.guard.record(1, 1.0)
+    adapter.guard.begin(1, {"kind": "split", "from": 1, "to": 2}, towards_plan=False)
+    adapter.decisions.append({"step": 1, "kind": "split-applied", "reason": "test"})
+    state = json.loads(json.dumps(adapter.state_dict()))
+    restored = DynamicEnvironmentAdapter()
+    restored.load_state_dict(state)
+    assert restored.state_dict() == adapter.state_dict()
+    assert restored.guard.pending == adapter.guard.pending and restored._split == 2
+    # On resume the split in force is applied again (2 pieces of the plan's 2 micro-batches).
+    resumed = _Rank2([])
+    with pytest.warns(UserWarning):
+        restored.on_train_start(SimpleNamespace(strategy=resumed, loggers=[], global_step=1), None)
+    assert resumed.num_microbatches == 4 and restored.monitor is not None
 
-
-def test_a_split_applies_only_to_a_link_that_matters() -> None:
-    strategy, trainer, adapter = _two_microbatch_run(min_link_share=0.1)
-    # A LAN link: 1 MB at 50 MB/s is 20 ms of a 1 s step -> ignored, nothing changes.
-    adapter._decide(trainer, strategy, [_decision("split", (0, 1), 1_000_000, 50e6)])
-    assert strategy.num_microbatches == 2
-    assert adapter.decisions[-1]["kind"] == "ignored-split"
-    # A WAN link: 1 MB at 1.25 MB/s is 0.8 s of the step -> split x2.
-    adapter._decide(trainer, strategy, [_decision("split", (1, 2), 1_000_000, 1.25e6)])
-    assert strategy.num_microbatches == 4
-    # Recovery: merge returns to the configured count.
-    adapter._decide(trainer, strategy, [_decision("merge", (1, 2), 1_000_000, 2.5e6)])
-    assert strategy.num_microbatches == 2
-
-
-def test_min_link_share_is_checked() -> None:
-    with pytest.raises(ValueError, match="min_link_share"):
-        DynamicEnvironmentAdapter(min_link_share=1.0)
-
-
-def test_the_tuner_tries_finer_splits_after_a_split_and_stops_on_merge() -> None:
-    strategy, trainer, adapter = _two_microbatch_run(window=3)
-    adapter._decide(trainer, strategy, [_decision("split", (1, 2), 1_000_000, 1.25e6)])
-    assert strategy.num_microbatches == 4 and adapter.tuner is not None and adapter.tuner.active
-    # One settling step, then three at x2 (1.0 s): the tuner tries x3 (6 micro-batches).
-    for step in range(21, 25):
-        adapter._tune(trainer, step, 1.0)
-    assert strategy.num_microbatches == 6
-    assert adapter.decisions[-1]["kind"] == "tune-probe"
-    # x3 is no faster: back to x2, tuning stops.
-    for step in range(25, 29):
-        adapter._tune(trainer, step, 1.0)
-    assert strategy.num_microbatches == 4
-    assert adapter.decisions[-1]["kind"] == "tune-revert" and not adapter.tuner.active
-    # Tuning state survives a checkpoint.
-    restored = DynamicEnvironmentAdapter(window=3)
-    restored.load_state_dict(adapter.state_dict())
-    assert restored._tuned_split == 2 and restored.tuner is not None
-    assert restored.tuner.state_dict() == adapter.tuner.state_dict()
-    # Recovery: the merge drops the tuned split too.
-    adapter._decide(trainer, strategy, [_decision("merge", (1, 2), 1_000_000, 2.5e6)])
-    assert strategy.num_microbatches == 2 and adapter._tuned_split is None
-
-
-def test_tuning_can_be_turned_off() -> None:
-    strategy = _Strategy(schedule="1f1b", num_microbatches=1)
-    trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=20)
-    adapter = DynamicEnvironmentAdapter(tune_gain=None)
-    adapter._base_microbatches = 1
-    adapter._decide(trainer, strategy, [_decision("split", (1, 2), 1_000_000, 1.25e6)])
-    for step in range(21, 40):
-        adapter._tune(trainer, step, 1.0 if step < 30 else 0.1)
-    assert strategy.num_microbatches == 2 and adapter.tuner is None
+    older = {"monitor": None, "decisions": [{"kind": "split"}], "base_microbatches": 2}
+    fresh = DynamicEnvironmentAdapter()
+    with pytest.warns(UserWarning, match="from another version"):
+        fresh.load_state_dict(older)
+    assert fresh.decisions == [{"kind": "split"}] and fresh.monitor is None and fresh._split == 1

@@ -20,8 +20,10 @@ from lightning_deepcee.adapter import (
     LinkObservation,
     MonitorConfig,
     ReplanChoice,
+    SharedLink,
     choose_replan,
     figure_from_decision,
+    figures_from_decision,
     link_figures,
     observed_profile,
 )
@@ -97,7 +99,8 @@ def test_a_degraded_link_is_rescaled_both_ways_unless_the_reverse_is_observed() 
 
 
 def test_link_figures_read_the_monitor_state_and_decisions() -> None:
-    monitor = LinkMonitor({(0, 1): 1e6, (1, 2): 1e6}, None, MonitorConfig(window=3, react_after=1))
+    config = MonitorConfig(window=3, react_after=1, warmup_steps=0, calibration_steps=0)
+    monitor = LinkMonitor({(0, 1): 1e6, (1, 2): 1e6}, None, config)
     for step in range(1, 4):
         observations = [
             LinkObservation(step, 0, 1, 1_000_000, 2.0),  # 0.5 MB/s: degraded
@@ -110,6 +113,27 @@ def test_link_figures_read_the_monitor_state_and_decisions() -> None:
     decision = {"link": [2, 0], "old_bandwidth": 4e6, "new_bandwidth": 1e6}
     figure = figure_from_decision(decision)
     assert figure.link == (2, 0) and figure.state == "degraded" and figure.ratio == 0.25
+    shared = {**decision, "pairs": [[2, 0], [2, 1]]}
+    assert [f.link for f in figures_from_decision(shared)] == [(2, 0), (2, 1)]
+
+
+def test_a_shared_link_gives_every_pair_its_figures_and_changes_read_conservatively() -> None:
+    shared = SharedLink(name="net0->net1", pairs=((0, 2), (1, 2)), capacity=4e6)
+    config = MonitorConfig(window=3, react_after=1, warmup_steps=0, calibration_steps=3)
+    for factor, state, ratio in ((0.25, "degraded", 0.25), (8.0, "improved", 2.0)):
+        # Calibrated at half the plan's capacity (2 MB/s), then the link changes by ``factor``.
+        monitor = LinkMonitor({}, None, config, [shared])
+        for step in range(9):
+            rate = 2e6 * (1.0 if step < 3 else factor)
+            seconds = 1e6 / (rate / 2)  # both pairs at once, each at half the link
+            monitor.observe(step, [LinkObservation(step, s, 2, 10**6, seconds) for s in (0, 1)])
+        figures = {f.link: f for f in link_figures(monitor.state_dict())}
+        assert set(figures) == {(0, 2), (1, 2)}
+        assert all(f.state == state for f in figures.values())
+        # Degraded: against the calibrated 2 MB/s (a quarter). Improved: the pessimistic figure
+        # (pairs one after the other: 8 MB/s) against the plan's 4 MB/s (twice), not the
+        # calibration's (four times): the smaller change either way.
+        assert figures[(0, 2)].ratio == pytest.approx(ratio)
 
 
 # --------------------------------------------------------------------------- the choice
@@ -165,6 +189,8 @@ def _replan_decision() -> dict[str, Any]:
 
 def test_a_replan_decision_reaches_the_slow_response() -> None:
     strategy = DeepCEEStrategy(schedule="1f1b", num_microbatches=2)
+    strategy.cluster_profile = _profile()
+    strategy.plan = _dp_plan((0, 1, 2))
     trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=30)
     adapter = DynamicEnvironmentAdapter()
     adapter._base_microbatches = 2

@@ -1,9 +1,11 @@
-"""The adapter's link monitor on synthetic timing streams: no flapping, prompt reactions, exact
-state round trips. Pure and fast (no torch, no processes)."""
+"""The adapter's link monitor on synthetic timing streams: no flapping, prompt reactions, no
+proposal on warm-up, stalls or shared links, exact state round trips. Pure and fast (no torch, no
+processes)."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import itertools
 import json
 import math
@@ -23,6 +25,7 @@ from lightning_deepcee.adapter import (
     LinkMonitor,
     LinkObservation,
     MonitorConfig,
+    SharedLink,
     observations_from_transfers,
 )
 
@@ -30,7 +33,9 @@ EXPECTED = 10e6  # bytes/s
 LATENCY = 0.02  # s
 NUM_BYTES = 1 << 20
 LINK: Link = (0, 1)
-CFG = MonitorConfig()
+# The state machine against the plan's figure from the first sample (warm-up and calibration are
+# tested on their own below).
+CFG = MonitorConfig(warmup_steps=0, calibration_steps=0)
 # A step change must be acted on within this many samples (window fills, then react_after).
 BOUND = CFG.window + CFG.react_after
 
@@ -126,7 +131,7 @@ def test_split_factor_is_ceil_of_ratio_capped(factor: float, split_factor: int) 
 
 
 def test_max_split_caps_the_factor() -> None:
-    monitor = _monitor(MonitorConfig(max_split=2))
+    monitor = _monitor(dataclasses.replace(CFG, max_split=2))
     (decision,) = _feed(monitor, [1.0] * 10 + [0.1] * 10)
     assert decision.split_factor == 2
 
@@ -335,12 +340,139 @@ def test_from_matrices_skips_diagonal_and_missing_links() -> None:
     monitor = LinkMonitor.from_matrices(
         [[inf, 1e6, inf], [2e6, inf, 3e6], [4e6, 5e6, inf]],
         [[0.0, 0.01, 0.0], [0.02, 0.0, 0.03], [0.04, 0.05, 0.0]],
+        CFG,
     )
     assert monitor.links == [(0, 1), (1, 0), (1, 2), (2, 0), (2, 1)]
     state = monitor.state_dict()
-    by_link = {(e["src"], e["dst"]): e for e in state["links"]}
-    assert by_link[(1, 2)]["expected_bandwidth"] == 3e6
-    assert by_link[(1, 2)]["expected_latency"] == 0.03
+    by_name = {e["name"]: e for e in state["links"]}
+    assert by_name["1->2"]["expected"] == 3e6 and by_name["1->2"]["pairs"] == [[1, 2]]
+    assert [1, 2, 0.03] in state["latency"]
+
+
+# -- expectations: warm-up, calibration, stalls ------------------------------------------------
+
+DEFAULTS = MonitorConfig()  # warm-up and calibration as the Callback runs them
+
+
+def test_slow_first_steps_propose_nothing() -> None:
+    # Start-up: the first 8 steps deliver a fifth of the plan, then the link is as planned.
+    factors = [0.2] * 8 + [1.0] * 200
+    assert _feed(_monitor(DEFAULTS), factors) == []
+    # Judged from the first step against the plan's figure, the same start looks like a drop.
+    assert [d.kind for d in _feed(_monitor(CFG), factors)] == ["split", "merge"]
+
+
+def test_the_calibration_lowers_a_plan_figure_the_wire_never_reaches() -> None:
+    # The transfers' wire figure is 60% of the profile's large-message figure, all run long.
+    factors = [0.6] * 300
+    monitor = _monitor(DEFAULTS)
+    assert _feed(monitor, factors) == []
+    assert monitor.expected_bandwidth(LINK) == pytest.approx(0.6 * EXPECTED)
+    assert [d.kind for d in _feed(_monitor(CFG), factors)][:1] == ["split"]
+    # ... and a real drop from there is still a drop.
+    decisions = _feed(_monitor(DEFAULTS), [0.6] * 60 + [0.3] * 20)
+    assert [d.kind for d in decisions] == ["split"]
+
+
+def test_the_calibration_never_raises_the_plan_figure() -> None:
+    # Faster than planned while calibrating (e.g. alone on a link the plan shares): judged
+    # against the plan, so returning to the plan's figure is no drop.
+    monitor = _monitor(DEFAULTS)
+    assert _feed(monitor, [2.0] * 16 + [1.0] * 200) == []
+    assert monitor.expected_bandwidth(LINK) == EXPECTED
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_stalled_receiver_proposes_nothing(seed: int) -> None:
+    # A receiver under a CPU quota: a quarter of its arrivals are stamped late (a stall of up to
+    # 5x the transfer), the rest are the link's +-20%; the link itself never changes.
+    rng = np.random.default_rng(seed)
+    factors = [
+        float(rng.uniform(0.2, 0.6) if rng.random() < 1 / 4 else rng.uniform(0.8, 1.2))
+        for _ in range(500)
+    ]
+    monitor = _monitor(DEFAULTS)
+    assert _feed(monitor, factors) == []
+    assert monitor.link_state(LINK) == "normal"
+
+
+def test_a_link_without_a_plan_figure_is_calibrated() -> None:
+    monitor = LinkMonitor({LINK: None}, {LINK: LATENCY}, DEFAULTS)
+    assert monitor.expected_bandwidth(LINK) is None
+    decisions = _feed(monitor, [1.0] * 40 + [0.4] * 20)
+    assert monitor.expected_bandwidth(LINK) == pytest.approx(EXPECTED, rel=0.05)
+    assert [d.kind for d in decisions] == ["split"]
+    with pytest.raises(ValueError, match="no expected bandwidth and calibration_steps=0"):
+        LinkMonitor({LINK: None}, None, CFG)
+
+
+# -- shared links ------------------------------------------------------------------------------
+
+SHARED = SharedLink(name="net0->net1", pairs=((0, 2), (1, 2)), capacity=EXPECTED)
+
+
+def _shared_step(step: int, share: float, together: bool = True) -> list[LinkObservation]:
+    """Both senders move NUM_BYTES over the shared link: each at ``share`` of its capacity."""
+    seconds = NUM_BYTES / (EXPECTED * share)
+    if together:
+        return [LinkObservation(step, s, d, NUM_BYTES, seconds) for s, d in SHARED.pairs]
+    # one after the other, each alone at the full capacity
+    return [LinkObservation(step, s, d, NUM_BYTES, NUM_BYTES / EXPECTED) for s, d in SHARED.pairs]
+
+
+def _shared_monitor(config: MonitorConfig = DEFAULTS) -> LinkMonitor:
+    # Each pair's own (solo) figure is the capacity: that is what the profiler measures.
+    return LinkMonitor({(0, 2): EXPECTED, (1, 2): EXPECTED}, None, config, [SHARED])
+
+
+@pytest.mark.parametrize("config", [DEFAULTS, CFG], ids=["calibrated", "plan"])
+def test_two_senders_sharing_a_link_each_at_half_is_no_drop(config: MonitorConfig) -> None:
+    monitor = _shared_monitor(config)
+    decisions = []
+    for step in range(300):
+        # Alone during the warm-up, then always together: each pair sees half its solo figure.
+        decisions += monitor.observe(step, _shared_step(step, 0.5, together=step >= 8))
+    assert decisions == []
+    assert monitor.link_state((0, 2)) == "normal" and monitor.link_names == ["net0->net1"]
+    assert monitor.measured_bandwidth((1, 2)) == pytest.approx(EXPECTED)
+    # Judged pair by pair against the solo figure, the same stream is a drop on both pairs.
+    alone = LinkMonitor({(0, 2): EXPECTED, (1, 2): EXPECTED}, None, CFG)
+    decisions = [d for step in range(20) for d in alone.observe(step, _shared_step(step, 0.5))]
+    assert [(d.kind, d.link) for d in decisions] == [("split", (0, 2)), ("split", (1, 2))]
+
+
+def test_senders_taking_turns_are_no_improvement() -> None:
+    monitor = _shared_monitor()
+    decisions = [
+        d for step in range(300) for d in monitor.observe(step, _shared_step(step, 1.0, False))
+    ]
+    assert decisions == []
+    assert monitor.link_state((0, 2)) == "normal"
+
+
+def test_a_shared_link_dropping_to_a_quarter_is_one_decision_for_all_its_pairs() -> None:
+    monitor = _shared_monitor()
+    decisions = []
+    for step in range(120):
+        share = 0.5 if step < 60 else 0.125  # the link's capacity drops to a quarter at 60
+        decisions += monitor.observe(step, _shared_step(step, share))
+    split, replan = decisions
+    assert split.kind == "split" and 60 <= split.step < 60 + BOUND
+    assert split.name == "net0->net1" and split.pairs == ((0, 2), (1, 2))
+    assert split.new_bandwidth == pytest.approx(EXPECTED / 4) and split.split_factor == 4
+    assert "net0->net1 (0->2, 1->2) split x4" in str(split)
+    assert replan.kind == "replan" and replan.step == split.step + DEFAULTS.replan_after
+    assert Decision(**{**split.to_dict(), "link": (0, 2), "pairs": ((0, 2), (1, 2))}) == split
+
+
+def test_shared_link_validation() -> None:
+    with pytest.raises(ValueError, match="distinct"):
+        SharedLink(name="x", pairs=((0, 1), (0, 1)))
+    with pytest.raises(ValueError, match="capacity"):
+        SharedLink(name="x", pairs=((0, 1),), capacity=0.0)
+    other = SharedLink(name="y", pairs=((1, 2),))
+    with pytest.raises(ValueError, match="in both"):
+        LinkMonitor({}, None, DEFAULTS, [SHARED, other])
 
 
 # -- checkpointing -----------------------------------------------------------------------------
@@ -398,10 +530,10 @@ def test_state_dict_keeps_a_rebase() -> None:
 
 def test_load_state_dict_rejects_other_versions_and_warns_on_config_change() -> None:
     state = _monitor().state_dict()
-    with pytest.raises(ValueError, match="expected version 1, got 99"):
+    with pytest.raises(ValueError, match="expected version 2, got 99"):
         _monitor().load_state_dict({**state, "version": 99})
     with pytest.warns(UserWarning, match="window"):
-        _monitor(MonitorConfig(window=3)).load_state_dict(state)
+        _monitor(dataclasses.replace(CFG, window=3)).load_state_dict(state)
 
 
 # -- validation and formatting -----------------------------------------------------------------
@@ -462,7 +594,7 @@ def test_decision_to_dict_and_str() -> None:
 
 def test_monitor_is_pure() -> None:
     package = Path(__file__).resolve().parents[2] / "lightning_deepcee" / "adapter"
-    for path in (package / "monitor.py", package / "__init__.py"):
+    for path in (package / "monitor.py", package / "records.py", package / "__init__.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):

@@ -5,7 +5,9 @@ This package owns the benchmarks behind a :class:`~lightning_deepcee.profiler.Cl
 
 - :func:`measure_blocks` (``blocks.py``, passes in ``passes.py``): forward, input-gradient
   (``B``) and weight-gradient (``W``) seconds of each block, split exactly like the executor
-  splits them, plus activation and parameter bytes.
+  splits them, plus output, saved-for-backward, transient and parameter bytes.
+- :class:`SavedTensorsMeter` (``saved.py``): bytes held by the tensors autograd saves for
+  backward, and their peak (what a stage keeps per micro-batch in flight).
 - :func:`available_memory_bytes` (``memory.py``): memory this process may still use on a device.
 - :func:`measure_network` (``network.py``): latency and bandwidth of every ordered pair of ranks.
 - :func:`profile_cluster` (``cluster.py``) / :func:`profile_or_load` (``cache.py``): all of the
@@ -29,12 +31,14 @@ from lightning_deepcee.runtime.measure.network import (
     measure_network,
     round_robin_rounds,
 )
+from lightning_deepcee.runtime.measure.saved import SavedTensorsMeter
 
 __all__ = [
     "DEVICE_KIND_ENV",
     "BlockTimings",
     "NetworkMeasurement",
     "ProfilingTimeoutError",
+    "SavedTensorsMeter",
     "available_memory_bytes",
     "measure_blocks",
     "measure_network",

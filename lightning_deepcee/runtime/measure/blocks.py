@@ -4,7 +4,8 @@
 (``stage_backward_input`` / ``stage_backward_weight``), then corrects the fastest figures into a
 training step's: the per-call cost a smaller micro-batch cannot shrink, the sustained speed under
 a CPU quota, an optimizer step's rate, and the median over rounds. Blocks may pass block values
-(a tensor, or tuples/lists/dicts of them: ``runtime/values.py``) from one to the next.
+(a tensor, or tuples/lists/dicts of them: ``runtime/values.py``) from one to the next. It also
+measures each block's memory per sample: output, saved for backward, transient (``saved.py``).
 
 Runtime layer: torch, never lightning.
 """
@@ -33,6 +34,7 @@ from lightning_deepcee.runtime.measure.passes import (
     sync_device,
     time_pass,
 )
+from lightning_deepcee.runtime.measure.saved import block_memory_bytes
 from lightning_deepcee.runtime.values import (
     flatten_value,
     slice_value,
@@ -55,7 +57,7 @@ class BlockTimings:
     backward_weight_s: tuple[float, ...]
     """Seconds of each block's weight gradient (``W``); the whole backward when ``B`` is 0."""
     activation_bytes: tuple[int, ...]
-    """Bytes of each block's output per sample (all its tensors, rounded up)."""
+    """Bytes of each block's output per sample (all its tensors, rounded up): what it sends on."""
     parameter_bytes: tuple[int, ...]
     """Bytes of each block's parameters."""
     microbatch_size: int
@@ -76,6 +78,14 @@ class BlockTimings:
     of the per-block burst times (at least 1). Above 1 when the device cannot keep its burst
     speed, e.g. a CPU quota (cgroup ``cpu.max``) that throttles after a few milliseconds of work.
     Every ``*_s`` figure above is already multiplied by it."""
+
+    saved_bytes: tuple[int, ...] = ()
+    """Bytes per sample that autograd keeps for each block's backward from its forward (the
+    input when saved, intermediates; parameters and buffers not counted): held per micro-batch
+    in flight. See :func:`~lightning_deepcee.runtime.measure.saved.block_memory_bytes`."""
+    transient_bytes: tuple[int, ...] = ()
+    """Bytes per sample each block needs beyond ``saved_bytes`` at the peak of its forward and
+    backward (intermediates, the output and the gradients, weight gradients not counted)."""
 
     @property
     def num_blocks(self) -> int:
@@ -132,6 +142,11 @@ def measure_blocks(
       running each action at burst speed predicts steps far shorter than they run: a device
       under its quota on average still stalls whenever a burst of actions spends the period's
       budget, and those stalls sit on the pipeline's critical path.)
+
+    **Memory.** Besides the bytes of each block's output (``activation_bytes``, what a stage
+    sends on), one more untimed forward and backward per block measures what it keeps for
+    backward (``saved_bytes``) and its transient peak beyond that (``transient_bytes``), per
+    sample (:func:`~lightning_deepcee.runtime.measure.saved.block_memory_bytes`).
 
     **Rounds.** With ``rounds > 1`` all of the above runs that many times in a row and every
     figure is the median over the rounds, entry by entry. One round's sustained factor is how
@@ -230,6 +245,7 @@ def _measure_round(
                 passes += 1
             factor = max(1.0, (time.perf_counter() - start) / passes / burst)
         activation = [math.ceil(value_bytes(output) / size) for output in inputs[1:]]
+        saved, transient = _memory(blocks, inputs, loss_fn, sample_batch, size)
         optimizer = _optimizer_s_per_byte(blocks, repeats, warmup)
     return BlockTimings(
         forward_s=tuple(f * factor for f, _, _ in fastest),
@@ -237,11 +253,29 @@ def _measure_round(
         backward_weight_s=tuple(w * factor for _, _, w in fastest),
         activation_bytes=tuple(activation),
         parameter_bytes=tuple(parameter_bytes(block) for block in blocks),
+        saved_bytes=saved,
+        transient_bytes=transient,
         microbatch_size=size,
         fixed_s=tuple(value * factor for value in fixed),
         optimizer_s_per_byte=optimizer * factor,
         sustained_factor=factor,
     )
+
+
+def _memory(
+    blocks: list[nn.Module], inputs: list[Any], loss_fn: LossFn | None, sample_batch: Any, size: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """:func:`block_memory_bytes`, or nothing (with a warning) for blocks it cannot follow."""
+    try:
+        return block_memory_bytes(blocks, inputs, loss_fn, sample_batch, size)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:  # e.g. a compiled block
+        warnings.warn(
+            f"measure_blocks: the blocks' saved and transient bytes could not be measured "
+            f"({type(exc).__name__}: {exc}); the planner takes each block's output bytes as what "
+            "it keeps for backward, which undercounts activation memory",
+            stacklevel=3,
+        )
+        return (), ()
 
 
 def _optimizer_s_per_byte(blocks: Sequence[nn.Module], repeats: int, warmup: int) -> float:

@@ -205,6 +205,8 @@ def _device_profile(rank: int, host: str, record: dict[str, Any]) -> DeviceProfi
         backward_weight_s=timings.backward_weight_s,
         activation_bytes=timings.activation_bytes,
         parameter_bytes=timings.parameter_bytes,
+        saved_bytes=timings.saved_bytes,
+        transient_bytes=timings.transient_bytes,
         reference_microbatch_size=timings.microbatch_size,
         fixed_s=timings.fixed_s,
         optimizer_s_per_byte=timings.optimizer_s_per_byte,
