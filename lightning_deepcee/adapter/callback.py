@@ -273,11 +273,15 @@ class DynamicEnvironmentAdapter(Callback):
             link_figures,
             observed_profile,
         )
+        from lightning_deepcee.profiler import ClusterProfile
 
         # The monitor's figures last: they cover every pair of a link, and later figures win.
         figures = [f for d in proposals for f in figures_from_decision(d)]
         figures += [] if self.monitor is None else link_figures(self.monitor.state_dict())
-        return observed_profile(strategy.cluster_profile, figures)
+        ceiling = strategy.cluster_profile  # as measured, until a re-plan replaced it
+        if self._replanned is not None and "measured" in self._replanned:
+            ceiling = ClusterProfile.from_dict(self._replanned["measured"])
+        return observed_profile(strategy.cluster_profile, figures, ceiling=ceiling)
 
     def _plan_at(self, strategy: Any, split: int) -> Any:
         """The running plan with ``split`` pieces per micro-batch of its own count."""
@@ -391,10 +395,12 @@ class DynamicEnvironmentAdapter(Callback):
         strategy.cluster_profile = observed
         if self._replanned is not None:
             origin = self._replanned["origin"]  # a resume compares with the first layout
+        measured = (self._replanned or {}).get("measured", profile.to_dict())
         self._replanned = {
             "plan": choice.plan.to_dict(),
             "profile": observed.to_dict(),
             "origin": origin,
+            "measured": measured,  # the setup profile: the ceiling of a link's recovery
         }
         self._split, self._base_microbatches = 1, strategy.num_microbatches
         self._new_monitor(strategy)

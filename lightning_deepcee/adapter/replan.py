@@ -128,9 +128,17 @@ def figures_from_decision(decision: Mapping[str, Any]) -> list[LinkFigure]:
 
 
 def observed_profile(
-    profile: ClusterProfile, figures: Iterable[LinkFigure]
+    profile: ClusterProfile,
+    figures: Iterable[LinkFigure],
+    *,
+    ceiling: ClusterProfile | None = None,
 ) -> tuple[ClusterProfile, dict[Link, tuple[float, float]]]:
     """``profile`` with the bandwidth of every link that is off its expectation rescaled.
+
+    ``ceiling`` (the profile measured at setup): a link that got faster is raised at most to its
+    figure there (never lowered by it). A rise is mostly a recovery, and the ratio of a link
+    whose expectation was calibrated while it was slow reads high; a link faster than ever
+    measured is for the profiler to confirm, not for an extrapolated ratio.
 
     A link in state ``degraded`` or ``improved`` gets ``profile bandwidth * measured / expected``.
     The ratio, not the measured figure itself, goes into the profile: the monitor's expectation
@@ -177,6 +185,8 @@ def observed_profile(
             )
         old = matrix[src][dst]
         matrix[src][dst] = old * ratio
+        if ratio > 1 and ceiling is not None:
+            matrix[src][dst] = min(old * ratio, max(old, ceiling.bandwidth_bytes_per_s[src][dst]))
         changes[(src, dst)] = (old, matrix[src][dst])
     updated = dataclasses.replace(
         profile, bandwidth_bytes_per_s=tuple(tuple(row) for row in matrix)

@@ -98,6 +98,27 @@ def test_a_degraded_link_is_rescaled_both_ways_unless_the_reverse_is_observed() 
         observed_profile(profile, [_figure((0, 3), 1.0, 0.5, "degraded")])
 
 
+def test_a_recovering_link_rises_at_most_to_its_measured_figure() -> None:
+    """After a re-plan on a slow link, the running profile holds the slow figure; when the link
+    recovers, a ratio against an expectation calibrated while it was slow reads high. The
+    profile measured at setup caps the rise; it never lowers a figure."""
+    measured = _profile()  # 1e8 B/s everywhere, as profiled
+    slow, _ = observed_profile(measured, [_figure((0, 1), 1e6, 2.5e5, "degraded")])
+    assert slow.bandwidth_bytes_per_s[0][1] == pytest.approx(2.5e7)
+    # Calibrated at 2.5e5 while slow, now reads 2.2e6: 8.8x, above what the link ever did.
+    recovered = [_figure((0, 1), 2.5e5, 2.2e6, "improved")]
+    uncapped, _ = observed_profile(slow, recovered)
+    assert uncapped.bandwidth_bytes_per_s[0][1] == pytest.approx(2.2e8)
+    capped, changes = observed_profile(slow, recovered, ceiling=measured)
+    assert capped.bandwidth_bytes_per_s[0][1] == pytest.approx(1e8)
+    assert changes[(0, 1)] == pytest.approx((2.5e7, 1e8))
+    # A partial recovery stays below the ceiling; a drop is not raised to it.
+    partial, _ = observed_profile(slow, [_figure((0, 1), 2.5e5, 5e5, "improved")], ceiling=measured)
+    assert partial.bandwidth_bytes_per_s[0][1] == pytest.approx(5e7)
+    lower, _ = observed_profile(slow, [_figure((0, 1), 2.5e5, 1e5, "degraded")], ceiling=measured)
+    assert lower.bandwidth_bytes_per_s[0][1] == pytest.approx(1e7)
+
+
 def test_link_figures_read_the_monitor_state_and_decisions() -> None:
     config = MonitorConfig(window=3, react_after=1, warmup_steps=0, calibration_steps=0)
     monitor = LinkMonitor({(0, 1): 1e6, (1, 2): 1e6}, None, config)
