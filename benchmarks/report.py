@@ -7,8 +7,9 @@ What it writes:
 
 - ``benchmarks/results/<name>.md`` for every ``<name>.json`` there, rendered by the benchmark
   that wrote the JSON (``lab_bench.render``, ``adapter_bench.render``, ``tta_bench.render``,
-  ``profile_lab.report``); a JSON with ``rows`` is data for ``fit_cpu_floor.py`` and has no
-  table. ``profile_spread.md`` is ``profile_spread.py`` run on the ``CURRENT`` benchmarks.
+  ``elastic_bench.render``, ``profile_lab.report``); a JSON with ``rows`` is data for
+  ``fit_cpu_floor.py`` and has no table. ``profile_spread.md`` is ``profile_spread.py`` run on
+  the ``CURRENT`` benchmarks.
 - In ``README.md`` and ``docs/*.md``, the text between ``<!-- report:NAME -->`` and
   ``<!-- /report:NAME -->``: NAME is a table above (by file stem, without its ``#`` title) or
   one of the summaries of ``SUMMARIES``. Links inside a block are relative to its document.
@@ -33,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import adapter_bench  # noqa: E402
+import elastic_bench  # noqa: E402
 import fit_cpu_floor  # noqa: E402
 import lab_bench  # noqa: E402
 import profile_lab  # noqa: E402
@@ -41,7 +43,7 @@ import tta_bench  # noqa: E402
 
 __all__ = ["CURRENT", "SUMMARIES", "check", "expected_files", "main"]
 
-CURRENT = ("cee6_gpt5m", "cee6_cnn", "cee6p10_gpt5m", "lan4_gpt5m")
+CURRENT = ("cee6_gpt5m", "cee7_farend_gpt5m", "cee6_cnn", "cee6p10_gpt5m", "lan4_gpt5m")
 """The lab benchmarks of the current code: the summaries and ``profile_spread.md`` read these."""
 TOLERANCE = 0.15
 DEEPCEE_COLUMNS = ("deepcee", "deepcee-adapter")
@@ -59,6 +61,8 @@ def _render(data: dict[str, Any]) -> str | None:
         return None
     if "modes" in data:
         return adapter_bench.render(data)
+    if "arms" in data:
+        return elastic_bench.render(data)
     if "tolerance" in data:
         return profile_lab.report(data)
     if "target" in data.get("config", {}):

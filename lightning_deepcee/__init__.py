@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from lightning_deepcee.adapter.callback import DynamicEnvironmentAdapter
     from lightning_deepcee.callbacks import PipelineThroughputMonitor
     from lightning_deepcee.checkpoint import consolidate_checkpoint
+    from lightning_deepcee.elastic import ElasticCheckpoint
     from lightning_deepcee.runtime.liveness import DeviceLostError, RankFailedError
     from lightning_deepcee.runtime.stage import PipelineSpec
     from lightning_deepcee.strategy import DeepCEEStrategy
@@ -25,6 +26,7 @@ __all__ = [
     "DeepCEEStrategy",
     "DeviceLostError",
     "DynamicEnvironmentAdapter",
+    "ElasticCheckpoint",
     "PipelineSpec",
     "PipelineThroughputMonitor",
     "RankFailedError",
@@ -36,6 +38,7 @@ _WHERE = {
     "DeepCEEStrategy": "lightning_deepcee.strategy",
     "DeviceLostError": "lightning_deepcee.runtime.liveness",
     "DynamicEnvironmentAdapter": "lightning_deepcee.adapter.callback",
+    "ElasticCheckpoint": "lightning_deepcee.elastic",
     "PipelineSpec": "lightning_deepcee.runtime.stage",
     "PipelineThroughputMonitor": "lightning_deepcee.callbacks",
     "RankFailedError": "lightning_deepcee.runtime.liveness",

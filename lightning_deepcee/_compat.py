@@ -50,6 +50,7 @@ __all__ = [
     "BatchNormBase",
     "TorchDispatchMode",
     "TreeSpec",
+    "checkpoint_dir_of",
     "default_process_group",
     "default_store",
     "fit_dataloader",
@@ -111,3 +112,10 @@ def mock_optimizer() -> Any:
     from lightning.pytorch.core.optimizer import _MockOptimizer
 
     return _MockOptimizer()
+
+
+def checkpoint_dir_of(callback: Any, trainer: Any) -> str:
+    """A ``ModelCheckpoint``'s directory, resolved as Lightning resolves it (``dirpath`` or
+    ``<default_root_dir>/checkpoints``), before the callback's own setup has run: ``"last"`` is
+    looked up before it (the resolver is private, name-mangled ``__resolve_ckpt_dir``)."""
+    return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))

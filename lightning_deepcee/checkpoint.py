@@ -39,6 +39,7 @@ __all__ = [
     "consolidate_checkpoint",
     "load_meta",
     "load_sharded",
+    "newest_checkpoint",
     "partial_dir",
     "repartition",
     "resolve_checkpoint_dir",
@@ -75,6 +76,30 @@ def resolve_checkpoint_dir(directory: Path) -> Path:
     if not directory.exists() and _old_dir(directory).is_dir():
         return _old_dir(directory)
     return directory
+
+
+def newest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest complete DeepCEE checkpoint in ``directory`` (by its ``meta.pt``), or ``None``.
+
+    Complete means committed: a save in progress (``.NAME.partial``) never counts, and a crash
+    between the two renames of a swap counts as the previous checkpoint (``.NAME.old``).
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    found: list[tuple[float, Path]] = []
+    for entry in directory.iterdir():
+        name = entry.name
+        if name.startswith(".") and name.endswith(".old"):
+            entry = entry.with_name(name[1 : -len(".old")])
+            if entry.exists():
+                continue  # the swap finished; the new checkpoint is listed by its own name
+        elif name.startswith("."):
+            continue
+        meta = resolve_checkpoint_dir(entry) / META_FILE
+        if meta.is_file():
+            found.append((meta.stat().st_mtime, entry))
+    return max(found, key=lambda item: (item[0], item[1].name))[1] if found else None
 
 
 def shard_file(stage_index: int) -> str:

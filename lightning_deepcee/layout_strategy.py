@@ -4,18 +4,17 @@
 (every layout is one: planned, saved or manual), answers where this rank sits in it (stage,
 replica, placement), builds this rank's part with :meth:`~PipelineLayoutStrategy._build` (the
 one path used by setup, re-plan and resume) and switches plans between two steps
-(:meth:`~PipelineLayoutStrategy.apply_plan`), and saves and loads the sharded checkpoints of
-its layout. :class:`~lightning_deepcee.strategy.DeepCEEStrategy` adds setup and the steps.
+(:meth:`~PipelineLayoutStrategy.apply_plan`).
+:class:`~lightning_deepcee.elastic_strategy.ElasticStrategy` adds the sharded checkpoints and
+the restarts, :class:`~lightning_deepcee.strategy.DeepCEEStrategy` setup and the steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,15 +27,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
-from lightning_deepcee._compat import PATH, mock_optimizer, optimizers_to_device
-from lightning_deepcee.checkpoint import (
-    commit_partial,
-    load_meta,
-    load_sharded,
-    partial_dir,
-    repartition,
-    save_sharded,
-)
+from lightning_deepcee._compat import mock_optimizer, optimizers_to_device
+from lightning_deepcee.checkpoint import repartition
 from lightning_deepcee.planner import Plan
 from lightning_deepcee.precision import wrap_precision
 from lightning_deepcee.profiler import ClusterProfile
@@ -57,7 +49,6 @@ from lightning_deepcee.runtime.ties import (
     canonical_names,
     make_tie_groups,
     owned_state_dict,
-    tied_names_to_fill,
 )
 from lightning_deepcee.runtime.transport import TransferRecord
 from lightning_deepcee.runtime.values import cat_values
@@ -509,82 +500,6 @@ class PipelineLayoutStrategy(DDPStrategy):
         return owned_state_dict(
             module.state_dict(), [tie for tie, _ in self._ties], self.ranges, self.stage_index
         )
-
-    # ------------------------------------------------------------------------ checkpoints
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError("DeepCEEStrategy.save_checkpoint does not take storage_options.")
-        layout = {
-            "num_stages": self.num_stages,
-            "ranges": self.ranges,
-            "schedule": self.schedule_kind,
-            "num_microbatches": self.num_microbatches,
-            "tied": [list(tie.names) for tie, _ in self._ties],
-        }
-        target = Path(filepath)
-        partial = partial_dir(target)
-        if self.is_global_zero and partial.exists():
-            shutil.rmtree(partial)  # a save that crashed earlier
-        self.barrier("DeepCEEStrategy.save_checkpoint:clean")
-        checkpoint["optimizer_param_names"] = self._optimizer_param_names()
-        save_sharded(
-            checkpoint,
-            partial,
-            stage_index=self.stage_index,
-            write_shard=self._writes_shard,
-            write_meta=self.is_global_zero,
-            layout=layout,
-        )
-        # Swap the finished save in only once every rank has written its part.
-        self.barrier("DeepCEEStrategy.save_checkpoint:written")
-        if self.is_global_zero:
-            commit_partial(target)
-        self.barrier("DeepCEEStrategy.save_checkpoint")
-
-    @override
-    def load_checkpoint(self, checkpoint_path: PATH, weights_only: bool | None = None) -> dict:
-        module = self.lightning_module
-        assert module is not None
-        if self.is_idle:  # holds nothing: the meta part only, and Lightning's empty entries
-            checkpoint = load_meta(Path(checkpoint_path))
-            checkpoint.update(
-                state_dict={}, optimizer_states=[{} for _ in self.optimizers], lr_schedulers=[]
-            )
-            return checkpoint
-        checkpoint = load_sharded(
-            Path(checkpoint_path),
-            stage_index=self.stage_index,
-            expected_ranges=self.ranges,
-            fill_tied=tied_names_to_fill(
-                list(module.state_dict()),
-                [tie for tie, _ in self._ties],
-                self.ranges,
-                self.stage_index,
-            ),
-        )
-        shards = checkpoint.pop("deepcee_shards", None)
-        if shards is not None:
-            # The cluster or plan changed: rebuild this rank's part from every saved stage.
-            checkpoint.update(self._repartitioned(shards))
-            rank_zero_info(
-                f"DeepCEE: re-partitioned checkpoint {checkpoint_path} from blocks "
-                f"{checkpoint['deepcee']['ranges']} onto {self.ranges}."
-            )
-        checkpoint.pop("optimizer_param_names", None)
-        return checkpoint
-
-    @override
-    def remove_checkpoint(self, filepath: PATH) -> None:
-        if self.is_global_zero:
-            shutil.rmtree(filepath, ignore_errors=True)
 
 
 def _tensor_bytes(obj: Any) -> int:

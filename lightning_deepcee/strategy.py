@@ -16,8 +16,6 @@ exact synchronous semantics, the same update a single device computes on the who
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -36,9 +34,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from typing_extensions import override
 
-from lightning_deepcee._compat import (
-    fit_dataloader,
-)
+from lightning_deepcee._compat import fit_dataloader
 from lightning_deepcee._gc import GcFreeze
 from lightning_deepcee.console import (
     SetupTimer,
@@ -48,7 +44,7 @@ from lightning_deepcee.console import (
     warn_once_per_job,
     warn_unrun_steps,
 )
-from lightning_deepcee.layout_strategy import PipelineLayoutStrategy
+from lightning_deepcee.elastic_strategy import ElasticStrategy
 from lightning_deepcee.planner import Plan, plan_search
 from lightning_deepcee.profiler import ClusterProfile, DeviceGroups, group_devices
 from lightning_deepcee.runtime import (
@@ -75,7 +71,12 @@ from lightning_deepcee.runtime.liveness import (
     is_communication_failure,
     report_failure,
 )
-from lightning_deepcee.runtime.measure import model_fingerprint, profile_cluster, profile_or_load
+from lightning_deepcee.runtime.measure import (
+    device_identity,
+    model_fingerprint,
+    profile_cluster,
+    profile_or_load,
+)
 from lightning_deepcee.runtime.stage import tied_parameters
 from lightning_deepcee.runtime.ties import sync_copies
 from lightning_deepcee.runtime.transport import all_reduce_
@@ -90,7 +91,7 @@ LIVENESS_WAIT_S = 3.0
 """After a failed step, how long a rank watches the heartbeats to name the lost device."""
 
 
-class DeepCEEStrategy(PipelineLayoutStrategy):
+class DeepCEEStrategy(ElasticStrategy):
     """Pipeline-parallel training across heterogeneous devices, exact synchronous gradients.
 
     Three ways to choose the layout:
@@ -124,6 +125,9 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         profile_rounds: the block timings are measured this many times in a row and every
             figure taken at its median (a single reading under a CPU quota is noisy); 1
             measures once, for a quicker setup.
+        device_cache: a directory where each device keeps its block timings, reused while the
+            model, micro-batch and CPU quota are unchanged; ``"auto"``: one per torchrun elastic
+            job (a restart measures only new devices), none otherwise; ``None``: never reuse.
         timeout_s: seconds a collective or transfer may block before the process group fails;
             a dead device or link therefore stops every rank within about this long (plus a
             3 s look at the heartbeats), with a ``DeviceLostError`` naming the lost rank, its
@@ -140,6 +144,9 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
             the framework set up before training (in a pipeline one rank's collection pause
             stalls every stage); unfrozen when training ends. ``False`` leaves the garbage
             collector alone.
+        async_checkpoint: a checkpoint save snapshots this rank's state and returns; the files
+            are written and committed in the background (crash-safe: an interrupted save leaves
+            the previous checkpoint the newest complete one). ``False`` blocks until committed.
     """
 
     strategy_name = "deepcee"
@@ -156,10 +163,12 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         profile_cache: str | None = None,
         profile_budget_s: float = 60.0,
         profile_rounds: int = 3,
+        device_cache: str | None = "auto",
         timeout_s: float = 60.0,
         verbose: bool = True,
         receive_ahead: bool = True,
         freeze_gc: bool = True,
+        async_checkpoint: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -179,16 +188,12 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         self._manual = ManualLayout.from_arguments(
             partition, schedule, num_microbatches, num_stages, placement
         )
-        if timeout_s <= 0:
-            raise ValueError(f"DeepCEEStrategy(timeout_s={timeout_s}) must be > 0.")
-        if profile_budget_s <= 0:
-            raise ValueError(f"DeepCEEStrategy(profile_budget_s={profile_budget_s}) must be > 0.")
-        if isinstance(profile_rounds, bool) or not isinstance(profile_rounds, int):
-            raise ValueError(
-                f"DeepCEEStrategy(profile_rounds={profile_rounds!r}) must be a positive integer."
-            )
-        if profile_rounds < 1:
-            raise ValueError(f"DeepCEEStrategy(profile_rounds={profile_rounds}) must be >= 1.")
+        for name, value in (("timeout_s", timeout_s), ("profile_budget_s", profile_budget_s)):
+            if value <= 0:
+                raise ValueError(f"DeepCEEStrategy({name}={value}) must be > 0.")
+        rounds = profile_rounds
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise ValueError(f"DeepCEEStrategy(profile_rounds={rounds!r}) must be an integer >= 1.")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -203,12 +208,13 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         self.profile = profile or profile_cache is not None or self.plan_arg == "auto"
         self.profile_cache = profile_cache
         self.profile_budget_s = profile_budget_s
-        self.profile_rounds = profile_rounds
+        self.profile_rounds, self.device_cache = profile_rounds, device_cache
         self.cluster_profile: ClusterProfile | None = None
         self.device_groups: DeviceGroups | None = None
         self.verbose = verbose
         self.receive_ahead = receive_ahead
         self.freeze_gc = freeze_gc
+        self.async_checkpoint = async_checkpoint
         self._gc = GcFreeze()
         self.ranges: list[tuple[int, int]] = []
         self.spec: PipelineSpec | None = None
@@ -256,7 +262,7 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
         mine = {"lightning_deepcee": __version__, "torch": torch.__version__}
         mine["lightning"] = lightning.__version__
         gathered_all: list[tuple[dict[str, str], str] | None] = [None] * self.world_size
-        host = os.environ.get("DEEPCEE_LAB_DEVICE") or socket.gethostname()  # lab: device name
+        host = device_identity()
         dist.all_gather_object(gathered_all, (mine, host))
         gathered = [entry[0] for entry in gathered_all if entry is not None]
         self._hosts = [entry[1] for entry in gathered_all if entry is not None]
@@ -330,6 +336,7 @@ class DeepCEEStrategy(PipelineLayoutStrategy):
             device=self.root_device,
             budget_s=self.profile_budget_s,
             rounds=self.profile_rounds,
+            device_cache=self.device_cache_dir(),
         )
         blocks, sample = list(self.spec.blocks), self.spec.input_fn(micro)
         began = time.perf_counter()

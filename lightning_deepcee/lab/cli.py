@@ -3,6 +3,7 @@
     sudo deepcee-lab run --topology configs/lab/cee6.yaml [--trace T.yaml] --out runs/lab -- \\
         python examples/train_gpt.py fit --config configs/lab/tiny_gpt.yaml \\
         --trainer.num_nodes=6 --trainer.devices=1
+    sudo deepcee-lab run ... --elastic 5:6 [--max-restarts 3] --trace kill_edge0.yaml -- ...
     deepcee-lab check --topology configs/lab/cee6.yaml [--trace T.yaml]   # no root needed
     sudo deepcee-lab clean                 # remove what a crashed run left (from its record)
 
@@ -43,6 +44,19 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--master-port", type=int, default=29500)
     run.add_argument("--timeout-s", type=float, default=3600.0)
     run.add_argument("--fail-grace-s", type=float, default=15.0)
+    run.add_argument(
+        "--elastic",
+        metavar="MIN:MAX",
+        help="torchrun's elastic agent on every device (c10d rendezvous on the first device): "
+        "devices may be killed and started again (trace {at_s, device, action: kill|start})",
+    )
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="K",
+        default=3,
+        help="with --elastic: worker-group restarts per device before it fails (default 3)",
+    )
     run.add_argument("--quiet", action="store_true", help="only write logs, do not echo them")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- the command for every device")
     check = sub.add_parser("check", help="validate a topology (and trace); print the plan")
@@ -66,6 +80,8 @@ def _describe(topology: Topology, trace: Trace | None) -> str:
     lines.append("  latency: not emulated (no netem on this kernel)")
     for e in trace.events if trace else ():
         lines.append(f"  trace t={e.at_s:g}s {'-'.join(e.link)} -> {e.bandwidth_mbit:g} Mbit/s")
+    for k in trace.device_events if trace else ():
+        lines.append(f"  trace t={k.at_s:g}s {k.action} {k.device}")
     return "\n".join(lines)
 
 
@@ -97,7 +113,7 @@ def _signals_raise() -> Iterator[None]:
 
 def _run(args: argparse.Namespace) -> int:
     from lightning_deepcee.lab.network import LabNetwork
-    from lightning_deepcee.lab.runner import RunConfig, run_command
+    from lightning_deepcee.lab.runner import RunConfig, parse_elastic, run_command
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -112,7 +128,11 @@ def _run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
         fail_grace_s=args.fail_grace_s,
         echo=not args.quiet,
+        elastic=args.elastic,
+        max_restarts=args.max_restarts,
     )
+    if config.elastic is not None:  # MAX against the topology, before the network is built
+        parse_elastic(config.elastic, len(topology.devices))
     print(_describe(topology, trace), file=sys.stderr, flush=True)
     check_requirements()
     try:

@@ -1,15 +1,18 @@
-"""Bandwidth traces: link bandwidth changes at given times into a lab run (pure).
+"""Traces: bandwidth changes and devices lost or regained, at given times of a lab run (pure).
 
 A trace YAML is a list of events (or a mapping with an ``events`` list)::
 
     - {at_s: 10, link: [cloud, edge], bandwidth_mbit: 20}   # a WAN link: [region, region]
     - {at_s: 30, link: [end0, end], bandwidth_mbit: 5}      # a LAN link: [device, its region]
-    - {at_s: 60, link: [cloud, edge], bandwidth_mbit: 100}
+    - {at_s: 60, device: edge0, action: kill}               # SIGKILL every process of edge0
+    - {at_s: 90, link: [cloud, edge], bandwidth_mbit: 100}
+    - {at_s: 120, device: edge0, action: start}             # run edge0's command again
 
 ``at_s`` counts from the moment the command starts on every device. Latency, loss and jitter are
-refused (no netem on this kernel). Each event's keys and types are checked against
-:class:`TraceEventEntry` by the schema loader (omegaconf); ranges and the link's two ends are
-checked after. Nothing here imports Mininet.
+refused (no netem on this kernel). An event is either a bandwidth change (``link`` and
+``bandwidth_mbit``, checked against :class:`TraceEventEntry`) or a device event (``device`` and
+``action``, checked against :class:`DeviceEventEntry`), never both; the schema loader (omegaconf)
+checks keys and types, ranges and names are checked after. Nothing here imports Mininet.
 """
 
 from __future__ import annotations
@@ -22,7 +25,21 @@ from typing import Any
 from lightning_deepcee.lab.topology import MAX_LINK_MBIT, Topology, latency_key_hint
 from lightning_deepcee.profiler.schema import load_structured, read_yaml
 
-__all__ = ["Trace", "TraceEvent", "TraceEventEntry", "TraceFile", "load_trace"]
+__all__ = [
+    "DEVICE_ACTIONS",
+    "DeviceEvent",
+    "DeviceEventEntry",
+    "Trace",
+    "TraceEvent",
+    "TraceEventEntry",
+    "TraceFile",
+    "load_trace",
+]
+
+DEVICE_ACTIONS = ("kill", "start")
+"""``kill``: SIGKILL every process of the device; ``start``: run its command again."""
+_DEVICE_KEYS = frozenset({"device", "action"})
+_LINK_KEYS = frozenset({"link", "bandwidth_mbit"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,23 +58,68 @@ class TraceEvent:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceEvent:
+    """At ``at_s`` seconds, kill ``device`` (every process, SIGKILL) or start its command again.
+
+    A kill is what losing a site looks like to the others (no goodbye, sockets reset); a start
+    is the site coming back, which in an elastic run joins the job at its next rendezvous.
+    """
+
+    at_s: float
+    """Seconds after the command started on every device."""
+    device: str
+    """A device of the topology."""
+    action: str
+    """One of :data:`DEVICE_ACTIONS`."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"at_s": self.at_s, "device": self.device, "action": self.action}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Trace:
-    """Events sorted by time (stable for equal times)."""
+    """Bandwidth events and device events, each sorted by time (stable for equal times)."""
 
     events: tuple[TraceEvent, ...] = ()
+    """Bandwidth changes."""
+    device_events: tuple[DeviceEvent, ...] = ()
+    """Kills and starts (kept apart so that ``events`` keeps meaning bandwidth changes)."""
 
     def __post_init__(self) -> None:
-        times = [e.at_s for e in self.events]
-        if times != sorted(times):
-            object.__setattr__(self, "events", tuple(sorted(self.events, key=lambda e: e.at_s)))
+        for name in ("events", "device_events"):
+            events = getattr(self, name)
+            if [e.at_s for e in events] != sorted(e.at_s for e in events):
+                object.__setattr__(self, name, tuple(sorted(events, key=lambda e: e.at_s)))
 
     def validate(self, topology: Topology) -> None:
-        """Raise ValueError naming the event whose link is not in ``topology``."""
-        for i, event in enumerate(self.events):
-            topology.resolve_link(event.link, where=f"trace[{i}].link")
+        """Raise ValueError naming the event whose link or device is not in ``topology``, or
+        whose action cannot happen then (a kill of a device already killed, a start of one
+        still running: every device runs from t=0)."""
+        for i, link_event in enumerate(self.events):
+            topology.resolve_link(link_event.link, where=f"trace[{i}].link")
+        killed: set[str] = set()
+        for event in self.device_events:
+            where = f"trace event {{at_s: {event.at_s:g}, device: {event.device}, "
+            where += f"action: {event.action}}}"
+            try:
+                topology.device(event.device)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+            if event.action == "kill":
+                if event.device in killed:
+                    raise ValueError(f"{where}: {event.device} is already killed; start it first")
+                killed.add(event.device)
+            elif event.device in killed:
+                killed.remove(event.device)
+            else:
+                raise ValueError(
+                    f"{where}: {event.device} is still running then (every device runs from "
+                    "t=0); kill it first"
+                )
 
     def to_list(self) -> list[dict[str, Any]]:
-        return [e.to_dict() for e in self.events]
+        both: list[TraceEvent | DeviceEvent] = [*self.events, *self.device_events]
+        return [e.to_dict() for e in sorted(both, key=lambda e: e.at_s)]
 
     @classmethod
     def from_data(cls, data: Any) -> Trace:
@@ -72,9 +134,13 @@ class Trace:
         if not isinstance(data, list):
             raise ValueError(
                 f"trace: expected a list of events {{at_s, link, bandwidth_mbit}}, got "
-                f"{type(data).__name__} {data!r}"
+                f"{type(data).__name__} {data!r}; a device event is {{at_s, device, action}}"
             )
-        return cls(events=tuple(_event(entry, f"trace[{i}]") for i, entry in enumerate(data)))
+        parsed = [_any_event(entry, f"trace[{i}]") for i, entry in enumerate(data)]
+        return cls(
+            events=tuple(e for e in parsed if isinstance(e, TraceEvent)),
+            device_events=tuple(e for e in parsed if isinstance(e, DeviceEvent)),
+        )
 
 
 @dataclass(kw_only=True)
@@ -87,16 +153,45 @@ class TraceEventEntry:
 
 
 @dataclass(kw_only=True)
+class DeviceEventEntry:
+    """The keys and types of one device event (kill or start) in a trace file."""
+
+    at_s: float
+    device: str
+    action: str
+
+
+@dataclass(kw_only=True)
 class TraceFile:
     """A trace written as a mapping: only ``events`` (a list of :class:`TraceEventEntry`)."""
 
     events: list[Any] | None = None
 
 
+def _any_event(entry: Any, where: str) -> TraceEvent | DeviceEvent:
+    keys = set(entry) if isinstance(entry, Mapping) else set()
+    if not keys & _DEVICE_KEYS:
+        return _event(entry, where)  # a bandwidth event (or the loader's error for one)
+    if keys & _LINK_KEYS:
+        raise ValueError(
+            f"{where}: an event has either link and bandwidth_mbit (a bandwidth change) or device "
+            f"and action (kill/start), not both; got keys {', '.join(map(str, entry))}"
+        )
+    event = load_structured(DeviceEventEntry, entry, key=where, unknown_key_hint=latency_key_hint)
+    _check_at(event.at_s, where)
+    if event.action not in DEVICE_ACTIONS:
+        raise ValueError(f"{where}.action={event.action!r} must be one of {DEVICE_ACTIONS}")
+    return DeviceEvent(at_s=event.at_s, device=event.device, action=event.action)
+
+
+def _check_at(at_s: float, where: str) -> None:
+    if at_s < 0:
+        raise ValueError(f"{where}.at_s={at_s:g} must be a number of seconds >= 0")
+
+
 def _event(entry: Any, where: str) -> TraceEvent:
     event = load_structured(TraceEventEntry, entry, key=where, unknown_key_hint=latency_key_hint)
-    if event.at_s < 0:
-        raise ValueError(f"{where}.at_s={event.at_s:g} must be a number of seconds >= 0")
+    _check_at(event.at_s, where)
     if len(event.link) != 2:
         raise ValueError(
             f"{where}.link={event.link!r} must be [region, region] or [device, region]"

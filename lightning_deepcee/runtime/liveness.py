@@ -11,8 +11,8 @@ without a word. Healthy ranks that exit because of the failure mark themselves f
 never blamed. If the store itself is unreachable, the process that hosts it (rank 0's launcher) is
 the one lost.
 
-Keys carry ``TORCHELASTIC_RESTART_COUNT`` so a restart under ``torchrun --max-restarts`` (whose
-agent keeps the store) never reads the counters of the previous attempt.
+Keys carry the worker group's token (:func:`agree_group_token`), so a restart under torchrun's
+agent (which may keep the store) never reads the counters of the attempt before.
 
 Runtime layer: torch.distributed, never lightning.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,12 +35,14 @@ __all__ = [
     "DeviceLostError",
     "Heartbeat",
     "RankFailedError",
+    "agree_group_token",
     "default_store",
     "explain_failure",
     "failed_ranks",
     "failure_message",
     "find_lost_ranks",
     "is_communication_failure",
+    "key_prefix",
     "lost_message",
     "report_failure",
     "wait_for_ranks",
@@ -54,8 +57,35 @@ class DeviceLostError(RuntimeError):
         self.lost_ranks = None if lost_ranks is None else tuple(lost_ranks)
 
 
+_GROUP = {"token": ""}
+"""The worker group's token (:func:`agree_group_token`): it names every key of this module."""
+
+
+def agree_group_token() -> str:
+    """Give every rank of this worker group the same fresh key prefix (collective, once per job
+    start, before any :class:`Heartbeat`).
+
+    An elastic restart may keep the rendezvous store of the attempt before, so its keys must
+    differ; and ``TORCHELASTIC_RESTART_COUNT`` cannot tell attempts apart, since every node's
+    agent counts its own restarts (a node that joins later starts at 0). Rank 0 draws a token
+    and broadcasts it.
+    """
+    token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(token, src=0)
+    _GROUP["token"] = str(token[0])
+    return _GROUP["token"]
+
+
 def _prefix() -> str:
-    return f"deepcee/liveness/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return (
+        f"deepcee/liveness/{_GROUP['token'] or os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    )
+
+
+def key_prefix() -> str:
+    """The prefix of this worker group's keys in the store (for other modules' keys)."""
+    return _prefix()
 
 
 class Heartbeat:

@@ -14,7 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_deepcee import PipelineSpec
 
@@ -135,3 +135,10 @@ def _collate(samples: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def make_lm_loader(batch_size: int = 8, num: int = 24) -> DataLoader[Any]:
     return DataLoader(_Sequences(num), batch_size=batch_size, shuffle=False, collate_fn=_collate)
+
+
+def make_shuffled_lm_loader(batch_size: int = 8, num: int = 24) -> DataLoader[Any]:
+    """Shuffled by epoch (``set_epoch``), the same order in every process and every run."""
+    data = _Sequences(num)
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    return DataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=_collate)

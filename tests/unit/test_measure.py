@@ -234,7 +234,11 @@ def test_rounds_take_every_figure_at_its_median() -> None:
     probe = _StalledRound()
     measure_blocks([probe, nn.Linear(8, 8)], torch.randn(16, 8), **options)
     per_round = probe.calls  # forward calls of one round (no sustained window: a fixed count)
-    stalled = _StalledRound(first=per_round, last=2 * per_round, stall_s=0.05)
+    probe.calls = 0
+    measure_blocks([probe, nn.Linear(8, 8)], torch.randn(16, 8), rounds=2, **options)
+    later = probe.calls - per_round  # a later round reuses the first round's bytes: fewer calls
+    assert 0 < later < per_round
+    stalled = _StalledRound(first=per_round, last=per_round + later, stall_s=0.05)
     blocks: list[nn.Module] = [stalled, nn.Linear(8, 8)]
     once = measure_blocks(blocks, torch.randn(16, 8), **options)  # round 1: no stall
     assert once.forward_s[0] < 0.01
@@ -242,7 +246,7 @@ def test_rounds_take_every_figure_at_its_median() -> None:
     assert alone.forward_s[0] > 0.04
     stalled.calls = 0
     t = measure_blocks(blocks, torch.randn(16, 8), rounds=3, **options)
-    assert stalled.calls == 3 * per_round  # three whole rounds ran
+    assert stalled.calls == per_round + 2 * later  # three whole rounds ran
     assert t.forward_s[0] < 0.01  # the median of three, not their mean (about 17 ms)
     assert t.activation_bytes == once.activation_bytes and len(t.fixed_s) == 2
     with pytest.raises(ValueError, match="rounds: expected a positive integer, got 0"):

@@ -277,7 +277,8 @@ class _Parsed(Exception):
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "bench").glob("*.yaml")), ids=str)
 def test_committed_bench_configs_load(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lab_bench = _bench_module("lab_bench")
-    script = path.stem.split("_")[0] if path.stem.startswith(("adapter", "tta")) else "lab"
+    prefixes = ("adapter", "tta", "elastic")
+    script = path.stem.split("_")[0] if path.stem.startswith(prefixes) else "lab"
     module = _bench_module(f"{script}_bench")
     parse = lab_bench.parse_with_config
     parsed: dict[str, Any] = {}

@@ -21,6 +21,7 @@ from lightning_deepcee.runtime.measure.blocks import BlockTimings, measure_block
 from lightning_deepcee.runtime.measure.cache import profile_or_load
 from lightning_deepcee.runtime.measure.cluster import (
     DEVICE_KIND_ENV,
+    device_identity,
     model_fingerprint,
     profile_cluster,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "ProfilingTimeoutError",
     "SavedTensorsMeter",
     "available_memory_bytes",
+    "device_identity",
     "measure_blocks",
     "measure_network",
     "model_fingerprint",

@@ -161,12 +161,16 @@ def measure_blocks(
     _check_measure_arguments(blocks, sample_input, loss_fn, sample_batch, repeats, warmup)
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds: expected a positive integer, got {rounds!r}")
-    return _median_timings(
-        [
-            _measure_round(blocks, sample_input, loss_fn, sample_batch, repeats, warmup, sustain_s)
-            for _ in range(rounds)
-        ]
-    )
+    measured: list[BlockTimings] = []
+    for _ in range(rounds):
+        # Bytes do not change from round to round: the first round measures them for all.
+        memory = (measured[0].saved_bytes, measured[0].transient_bytes) if measured else None
+        measured.append(
+            _measure_round(
+                blocks, sample_input, loss_fn, sample_batch, repeats, warmup, sustain_s, memory
+            )
+        )
+    return _median_timings(measured)
 
 
 def _median_timings(rounds: Sequence[BlockTimings]) -> BlockTimings:
@@ -208,8 +212,10 @@ def _measure_round(
     repeats: int,
     warmup: int,
     sustain_s: float,
+    memory: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> BlockTimings:
-    """One round of :func:`measure_blocks` (arguments already checked)."""
+    """One round of :func:`measure_blocks` (arguments already checked); ``memory``: the saved
+    and transient bytes an earlier round measured."""
     device = tensor_leaves(sample_input)[0].device
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     size = value_rows(sample_input, "sample_input")
@@ -245,7 +251,7 @@ def _measure_round(
                 passes += 1
             factor = max(1.0, (time.perf_counter() - start) / passes / burst)
         activation = [math.ceil(value_bytes(output) / size) for output in inputs[1:]]
-        saved, transient = _memory(blocks, inputs, loss_fn, sample_batch, size)
+        saved, transient = memory or _memory(blocks, inputs, loss_fn, sample_batch, size)
         optimizer = _optimizer_s_per_byte(blocks, repeats, warmup)
     return BlockTimings(
         forward_s=tuple(f * factor for f, _, _ in fastest),

@@ -9,17 +9,21 @@ Runtime layer: torch and torch.distributed, never lightning.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
+import json
 import os
 import socket
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_deepcee._compat import tree_map
+from lightning_deepcee._compat import tree_flatten, tree_map
 from lightning_deepcee.profiler.data import (
     ClusterProfile,
     DeviceProfile,
@@ -35,7 +39,13 @@ from lightning_deepcee.runtime.measure.network import ProfilingTimeoutError, mea
 from lightning_deepcee.runtime.measure.passes import LossFn
 from lightning_deepcee.runtime.transport import wire_device
 
-__all__ = ["DEVICE_KIND_ENV", "model_fingerprint", "profile_cluster"]
+__all__ = [
+    "DEVICE_ENV",
+    "DEVICE_KIND_ENV",
+    "device_identity",
+    "model_fingerprint",
+    "profile_cluster",
+]
 
 DEVICE_KIND_ENV = "DEEPCEE_DEVICE_KIND"
 """Environment variable naming this device's class (``cloud``, ``edge``, ``end``, ...); when
@@ -57,6 +67,23 @@ def model_fingerprint(blocks: Sequence[nn.Module]) -> str:
     )
 
 
+DEVICE_ENV = "DEEPCEE_DEVICE"
+"""A device's stable name (the lab sets it); its host name otherwise."""
+
+
+def device_identity() -> str:
+    """This device's name across restarts: ``$DEEPCEE_DEVICE``, else the host name.
+
+    Ranks change at every rendezvous of an elastic job; the name is what profiles, checkpoints
+    and restart reports use to recognise a device.
+    """
+    return (
+        os.environ.get(DEVICE_ENV, "").strip()
+        or os.environ.get("DEEPCEE_LAB_DEVICE", "").strip()
+        or socket.gethostname()
+    )
+
+
 def _device_of(blocks: Sequence[nn.Module], device: torch.device | str | None) -> torch.device:
     if device is not None:
         return torch.device(device)
@@ -70,7 +97,7 @@ def device_identities(
     blocks: Sequence[nn.Module], group: dist.ProcessGroup | None
 ) -> tuple[list[str], str]:
     """Gather every rank's host; check that every rank holds the same model."""
-    identity = (socket.gethostname(), model_fingerprint(blocks))
+    identity = (device_identity(), model_fingerprint(blocks))
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, identity, group=group)
     fingerprints = {fp for _, fp in gathered}
@@ -99,6 +126,7 @@ def profile_cluster(
     budget_s: float = 60.0,
     op_timeout_s: float | None = None,
     rounds: int = 3,
+    device_cache: str | os.PathLike[str] | None = None,
 ) -> ClusterProfile:
     """Measure every rank's blocks and every link; every rank returns the same profile.
 
@@ -108,19 +136,27 @@ def profile_cluster(
     moved to ``device``; ``sample_batch``, read only by ``loss_fn``, is not moved). ``budget_s``
     bounds the network measurement (:func:`measure_network`); ``rounds`` is
     :func:`measure_blocks`' (the median of that many measurements); the device kind comes from
-    ``$DEEPCEE_DEVICE_KIND`` (default: the torch device type).
+    ``$DEEPCEE_DEVICE_KIND`` (default: the torch device type). With ``device_cache`` (a
+    directory on each device), a device reuses its own block timings from an earlier profile of
+    the same model, micro-batch and CPU quota (an elastic restart measures only the devices that
+    are new); the links are measured every time.
     """
     device = _device_of(blocks, device)
     hosts, model_fp = device_identities(blocks, group)
-    timings = measure_blocks(
-        blocks,
-        tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, sample_input),
-        loss_fn=loss_fn,
-        sample_batch=sample_batch,
-        repeats=repeats,
-        warmup=warmup,
-        rounds=rounds,
-    )
+    moved = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, sample_input)
+    cached = _cache_file(device_cache, model_fp, moved, device)
+    timings = _load_timings(cached)
+    if timings is None:
+        timings = measure_blocks(
+            blocks,
+            moved,
+            loss_fn=loss_fn,
+            sample_batch=sample_batch,
+            repeats=repeats,
+            warmup=warmup,
+            rounds=rounds,
+        )
+        _store_timings(cached, timings)
     _wait_for_slowest_rank(group, "blocks")
     local = {
         "kind": os.environ.get(DEVICE_KIND_ENV, "").strip() or device.type,
@@ -216,3 +252,43 @@ def _device_profile(rank: int, host: str, record: dict[str, Any]) -> DeviceProfi
             timings.forward_s, timings.backward_input_s, timings.backward_weight_s
         ),
     )
+
+
+def _cache_file(
+    directory: str | os.PathLike[str] | None, model_fp: str, sample: Any, device: torch.device
+) -> Path | None:
+    """Where this device keeps its block timings for this model, micro-batch and CPU quota."""
+    if directory is None:
+        return None
+    shapes = [tuple(v.shape) for v in tree_flatten(sample)[0] if isinstance(v, torch.Tensor)]
+    key = json.dumps(
+        [device_identity(), model_fp, str(device), shapes, _cpu_quota(device),
+         torch.get_num_threads(), os.environ.get(DEVICE_KIND_ENV, "")]
+    )  # fmt: skip
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return Path(directory) / f"{device_identity()}-{digest}.json"
+
+
+def _load_timings(path: Path | None) -> BlockTimings | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        fields = json.loads(path.read_text())
+        values: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()
+        }
+        return BlockTimings(**values)
+    except (OSError, ValueError, TypeError):
+        return None  # unreadable or from another version: measure again
+
+
+def _store_timings(path: Path | None, timings: BlockTimings) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(dataclasses.asdict(timings)))
+        os.replace(temporary, path)
+    except OSError:
+        pass  # a cache that cannot be written only costs the next start a measurement

@@ -1,0 +1,287 @@
+"""Elastic restarts in the lab: what a lost device costs, and what checkpointing costs (issue 22).
+
+Every arm is one lab run under torchrun's elastic agent (``deepcee-lab run --elastic N-1:N``),
+the whole job ``DeepCEEStrategy()`` (profile, plan, run) with ``ElasticCheckpoint`` and
+``fit(ckpt_path="last")``:
+
+- ``off``: no checkpoints, no loss: the step time to compare with.
+- ``async@K`` / ``blocking@K``: a checkpoint every K steps, written in the background or not.
+- ``loss@K``: a checkpoint every K steps (background); device ``--kill`` is killed with SIGKILL
+  inside step ``--kill-step + 1``; nobody intervenes. Measured: seconds from the kill to the
+  first step of the restarted job, the steps redone, and the restart's set-up.
+
+Step time is the median wall time between consecutive steps of rank 0 after ``--warmup`` steps
+(steps across a restart excluded). Arms run interleaved, ``--runs`` times, in one invocation.
+
+    sudo python benchmarks/elastic_bench.py --config configs/bench/elastic_cee6_gpt5m.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+# --------------------------------------------------------------------------------- worker
+def _clock() -> float:
+    return time.monotonic() - float(os.environ.get("DEEPCEE_LAB_T0", "0"))
+
+
+def worker_main(argv: list[str]) -> None:
+    """One device's training job (run by torchrun's agent, again after every restart)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from models import build_model, gpt_kwargs
+
+    from lightning_deepcee import DeepCEEStrategy, ElasticCheckpoint
+    from lightning_deepcee.demo import ShakespeareDataModule
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--size", default="gpt5m")
+    p.add_argument("--global-batch", type=int, default=48)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--every", type=int, default=0, help="checkpoint every N steps; 0: none")
+    p.add_argument("--blocking", action="store_true")
+    p.add_argument("--kill", help="device announcing the step it is killed in")
+    p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--profile-budget-s", type=float, default=300.0)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    class Recorder(Callback):
+        start = 0  # the job's starts before this one (each restart of the worker group adds one)
+
+        def on_fit_start(self, trainer: pl.Trainer, *rest: Any) -> None:
+            starts = args.out / "starts.txt"
+            if trainer.is_global_zero:
+                with starts.open("a") as f:
+                    f.write(f"{trainer.world_size}\n")
+            trainer.strategy.barrier("starts")
+            self.start = len(starts.read_text().split()) - 1
+
+        def on_train_batch_start(self, trainer: pl.Trainer, *rest: Any) -> None:
+            me = os.environ.get("DEEPCEE_DEVICE")
+            first = self.start == 0 and not (args.out / "in_step").exists()
+            if first and me == args.kill and trainer.global_step == args.kill_step:
+                (args.out / "in_step").write_text(f"{_clock()}\n")
+                time.sleep(600)  # the harness kills this device in here
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *rest: Any) -> None:
+            if trainer.is_global_zero:
+                row = dict(step=trainer.global_step, world=trainer.world_size, start=self.start,
+                           t=round(_clock(), 3))  # fmt: skip
+                with (args.out / "steps.jsonl").open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+    pl.seed_everything(0)
+    model = build_model("gpt", args.size)
+    block = gpt_kwargs(args.size)["block_size"]
+    data = ShakespeareDataModule(block_size=block, batch_size=args.global_batch, max_chars=400_000)
+    callbacks: list[Callback] = [Recorder()]
+    if args.every > 0:
+        callbacks.append(
+            ElasticCheckpoint(dirpath=str(args.out / "ckpt"), every_n_train_steps=args.every)
+        )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=int(os.environ.get("WORLD_SIZE", "1")),
+        strategy=DeepCEEStrategy(
+            profile_budget_s=args.profile_budget_s, async_checkpoint=not args.blocking
+        ),
+        max_steps=args.steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=args.every > 0,
+        callbacks=callbacks,
+        default_root_dir=str(args.out),
+    )
+    trainer.fit(model, datamodule=data, ckpt_path="last" if args.every > 0 else None)
+
+
+# -------------------------------------------------------------------------------- harness
+def _rows(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def step_time(rows: list[dict[str, Any]], warmup: int) -> float | None:
+    """Median seconds between consecutive steps of one job start (after ``warmup`` steps)."""
+    gaps = [
+        b["t"] - a["t"]
+        for a, b in itertools.pairwise(rows)
+        if a["start"] == b["start"] and b["step"] == a["step"] + 1 and a["step"] >= warmup
+    ]
+    return statistics.median(gaps) if gaps else None
+
+
+def loss_figures(rows: list[dict[str, Any]], killed_at: float | None) -> dict[str, Any]:
+    """Kill -> first step after it, steps redone, and the world before and after."""
+    before = [r for r in rows if r["start"] == 0]
+    after = [r for r in rows if r["start"] > 0]
+    if killed_at is None or not before or not after:
+        return {}
+    last_done = before[-1]["step"]
+    return {
+        "kill_to_first_step_s": round(after[0]["t"] - killed_at, 2),
+        "steps_redone": last_done - (after[0]["step"] - 1),
+        "world_before": before[-1]["world"],
+        "world_after": after[0]["world"],
+        "restarts": max(r["start"] for r in rows),
+    }
+
+
+def run_arm(args: argparse.Namespace, arm: str, run: int) -> dict[str, Any]:
+    """One lab run of ``arm`` (``off``, ``async@K``, ``blocking@K``, ``loss@K``)."""
+    from lightning_deepcee.lab.network import LabNetwork
+    from lightning_deepcee.lab.runner import LabControl, RunConfig, run_command
+    from lightning_deepcee.lab.topology import load_topology
+
+    kind, _, every = arm.partition("@")
+    out = args.logs / arm.replace("@", "_") / f"run{run}"
+    work = out / "work"
+    worker = ["--out", str(work), "--size", args.size, "--global-batch", str(args.global_batch),
+              "--steps", str(args.steps), "--every", every or "0",
+              "--profile-budget-s", str(args.profile_budget_s)]  # fmt: skip
+    if kind == "blocking":
+        worker.append("--blocking")
+    if kind == "loss":
+        worker += ["--kill", args.kill, "--kill-step", str(args.kill_step)]
+    topology = load_topology(args.topology)
+    n = len(topology.devices)
+    killed: dict[str, float] = {}
+
+    def control(lab: LabControl) -> None:
+        if kind == "loss" and not killed and (work / "in_step").is_file():
+            lab.kill(args.kill)
+            killed["at"] = lab.elapsed_s
+
+    config = RunConfig(
+        command=("python", str(Path(__file__).resolve()), "worker", *worker),
+        out_dir=out,
+        cwd=str(REPO),
+        timeout_s=args.run_timeout_s,
+        echo=False,
+        elastic=f"{n - 1}:{n}",
+        max_restarts=3,
+    )
+    print(f"[elastic-bench] {arm} run {run + 1}: {out}", flush=True)
+    with LabNetwork(topology) as net:
+        result = run_command(net, config, control=control)
+    rows = _rows(work / "steps.jsonl")
+    record: dict[str, Any] = {
+        "returncode": result.returncode,
+        "lab_s": result.duration_s,
+        "steps": rows[-1]["step"] if rows else 0,
+        "step_s": step_time([r for r in rows if r["start"] == 0], args.warmup),
+    }
+    record.update(loss_figures(rows, killed.get("at")))
+    print(f"[elastic-bench]   {json.dumps(record)}", flush=True)
+    return record
+
+
+def render(result: dict[str, Any]) -> str:
+    """The Markdown table of ``result`` (medians over runs)."""
+    cfg = result["config"]
+    lines = [
+        f"# Elastic restarts: {cfg['topology']}, GPT {cfg['size']}, batch {cfg['global_batch']}",
+        "",
+        f"Measured {result['date']} at commit {result['commit']}: "
+        f"`python benchmarks/elastic_bench.py --config {cfg.get('config', '...')}`; "
+        f"{cfg['runs']} run(s) per arm, interleaved; device `{cfg['kill']}` killed inside step "
+        f"{cfg['kill_step'] + 1}.",
+        "",
+        "| arm | step s (median) | vs off | kill -> first step s | steps redone | world |",
+        "|---|---|---|---|---|---|",
+    ]
+    base = _median(result["arms"].get("off", []), "step_s")
+    for arm, runs in result["arms"].items():
+        step = _median(runs, "step_s")
+        ratio = f"{step / base - 1:+.1%}" if step and base else "-"
+        kill = _median(runs, "kill_to_first_step_s")
+        redone = _median(runs, "steps_redone")
+        worlds = {
+            f"{r.get('world_before')}->{r.get('world_after')}" for r in runs if "world_after" in r
+        }
+        lines.append(
+            f"| {arm} | {_fmt(step, 3)} | {ratio} | {_fmt(kill, 1)} | {_fmt(redone, 0)} | "
+            f"{', '.join(sorted(worlds)) or '-'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _fmt(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def harness_main(argv: list[str]) -> int:
+    from lab_bench import _git_commit, parse_with_config
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", type=Path)
+    p.add_argument("--topology", type=Path, default=REPO / "configs/lab/cee6.yaml")
+    p.add_argument("--name", default="elastic_cee6_gpt5m")
+    p.add_argument("--size", default="gpt5m")
+    p.add_argument("--global-batch", type=int, default=48)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--intervals", default="5,10", help="checkpoint intervals (steps)")
+    p.add_argument("--kill", default="edge0", help="the device lost in the loss@K arms")
+    p.add_argument("--kill-step", type=int, default=17)
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--arms", default="off,async,blocking,loss", help="which kinds of arm to run")
+    p.add_argument("--profile-budget-s", type=float, default=300.0)
+    p.add_argument("--run-timeout-s", type=float, default=1500.0)
+    p.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results")
+    p.add_argument("--logs", type=Path, default=REPO / "runs" / "bench" / "elastic")
+    args = parse_with_config(p, argv)
+    if os.geteuid() != 0:
+        p.error("the lab needs root (network namespaces, cgroups)")
+    intervals = [int(k) for k in args.intervals.split(",") if k.strip()]
+    kinds = [k.strip() for k in args.arms.split(",") if k.strip()]
+    first = intervals[0]
+    arms = [a for a in ("off",) if "off" in kinds]
+    arms += [f"async@{first}"] if "async" in kinds else []
+    arms += [f"blocking@{first}"] if "blocking" in kinds else []
+    arms += [f"loss@{k}" for k in intervals] if "loss" in kinds else []
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    result: dict[str, Any] = dict(
+        config=config, date=time.strftime("%Y-%m-%d"), commit=_git_commit(),
+        arms={a: [] for a in arms},
+    )  # fmt: skip
+    args.results.mkdir(parents=True, exist_ok=True)
+    path = args.results / f"{args.name}.json"
+    for run in range(args.runs):
+        for arm in arms:
+            result["arms"][arm].append(run_arm(args, arm, run))
+            path.write_text(json.dumps(result, indent=1))
+    table = render(result)
+    (args.results / f"{args.name}.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        worker_main(sys.argv[2:])
+    else:
+        sys.exit(harness_main(sys.argv[1:]))

@@ -1,0 +1,61 @@
+"""Per-device block timings cache: a restart re-measures only devices it has not seen.
+
+One process (a one-rank gloo group); ``measure_blocks`` is counted, not mocked away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_deepcee.runtime.measure import cluster
+
+MEASURE = cluster.measure_blocks
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _profile(cache: Path | None, monkeypatch: pytest.MonkeyPatch, calls: list[int]) -> float:
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return MEASURE(*args, **kwargs)
+
+    monkeypatch.setattr(cluster, "measure_blocks", counted)
+    torch.manual_seed(0)
+    blocks = [nn.Linear(8, 8), nn.Linear(8, 4)]
+    profile = cluster.profile_cluster(
+        blocks, torch.randn(4, 8), repeats=1, warmup=0, rounds=1, device_cache=cache
+    )
+    return profile.devices[0].forward_s[0]
+
+
+def test_a_device_reuses_its_own_timings(
+    one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setenv("DEEPCEE_DEVICE", "edge7")
+    first = _profile(tmp_path, monkeypatch, calls)
+    assert len(calls) == 1 and [p.name[:6] for p in tmp_path.iterdir()] == ["edge7-"]
+    again = _profile(tmp_path, monkeypatch, calls)
+    assert len(calls) == 1 and again == first  # read back, not measured
+    monkeypatch.setenv("DEEPCEE_DEVICE", "edge8")  # another device: measured
+    _profile(tmp_path, monkeypatch, calls)
+    assert len(calls) == 2
+    for path in tmp_path.iterdir():  # an unreadable entry is measured again, never trusted
+        path.write_text("{not json")
+    _profile(tmp_path, monkeypatch, calls)
+    assert len(calls) == 3
+    _profile(None, monkeypatch, calls)  # no cache: always measured
+    assert len(calls) == 4
