@@ -41,6 +41,11 @@ def test_step_time_is_the_median_gap_within_one_start() -> None:
     bench = _bench()
     first = [r for r in ROWS if r["start"] == 0]
     assert bench.step_time(first, warmup=2) == pytest.approx(1.0)  # the 3 s gap is outvoted
+    assert bench.step_time(first, warmup=2, mean=True) == pytest.approx(8.0 / 6)  # not here
+    assert bench.step_figures(ROWS, 2) == {
+        "step_s": pytest.approx(1.0),
+        "step_mean_s": pytest.approx(8.0 / 6),
+    }
     assert bench.step_time(ROWS, warmup=100) is None
     # A gap across a restart never counts, even when the steps are consecutive.
     assert bench.step_time([_row(5, 0.0), _row(6, 50.0, start=1)], warmup=0) is None
@@ -66,13 +71,13 @@ def test_render_compares_with_the_run_without_checkpoints() -> None:
         "date": "2026-12-03",
         "commit": "abc1234",
         "arms": {
-            "off": [{"step_s": 1.0}],
-            "async@5": [{"step_s": 1.05}],
-            "loss@5": [{"step_s": 1.0, "kill_to_first_step_s": 61.0, "steps_redone": 2,
-                        "world_before": 6, "world_after": 5}],
+            "off": [{"step_s": 1.0, "step_mean_s": 1.0}],
+            "async@5": [{"step_s": 1.05, "step_mean_s": 1.2}],
+            "loss@5": [{"step_s": 1.0, "step_mean_s": 1.0, "kill_to_first_step_s": 61.0,
+                        "steps_redone": 2, "world_before": 6, "world_after": 5}],
         },
     }  # fmt: skip
     table = _bench().render(result)
-    assert "| async@5 | 1.050 | +5.0% | - | - | - |" in table
-    assert "| loss@5 | 1.000 | +0.0% | 61.0 | 2 | 6->5 |" in table
+    assert "| async@5 | 1.050 | +5.0% | 1.200 | +20.0% | - | - | - |" in table
+    assert "| loss@5 | 1.000 | +0.0% | 1.000 | +0.0% | 61.0 | 2 | 6->5 |" in table
     assert "2026-12-03 at commit abc1234" in table
