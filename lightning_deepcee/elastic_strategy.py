@@ -69,15 +69,12 @@ class ResumableLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def sampler_of_loader(self) -> Any:
-        """The wrapped loader's sampler, if it has one."""
-        return getattr(self.loader, "sampler", None)
-
     def __iter__(self) -> Any:
         # The epoch's shuffle first: Lightning sets it only after a resumed fit has built its
         # first iterator, which would then draw the order of epoch 0.
         progress: Any = self._trainer.fit_loop.epoch_progress.current  # a _ProcessedTracker
-        for part in (getattr(self.loader, "batch_sampler", None), self.sampler_of_loader()):
+        for attribute in ("batch_sampler", "sampler"):
+            part = getattr(self.loader, attribute, None)
             set_epoch = getattr(part, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(int(progress.processed))

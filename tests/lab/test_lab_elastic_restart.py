@@ -17,7 +17,6 @@ python -m pytest tests/lab/test_lab_elastic_restart.py -m lab -q
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -26,8 +25,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import require_lab
 
-from lightning_deepcee.lab.network import LabNetwork, check_requirements
+from lightning_deepcee.lab.network import LabNetwork
 from lightning_deepcee.lab.runner import LabControl, LabResult, RunConfig, run_command
 from lightning_deepcee.lab.state import StateStore
 from lightning_deepcee.lab.topology import load_topology
@@ -69,12 +69,7 @@ class _Script:
 
 @pytest.fixture(scope="module")
 def elastic_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, LabResult, _Script]:
-    try:
-        check_requirements()
-    except RuntimeError as err:
-        if os.environ.get("CI"):
-            pytest.fail(f"lab requirements missing in CI: {err}")
-        pytest.skip(str(err))
+    require_lab()
     tmp = tmp_path_factory.mktemp("elastic_restart")
     reference = tmp / "reference"
     subprocess.run(
