@@ -56,6 +56,9 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--kill", help="device announcing the step it is killed in")
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--profile-budget-s", type=float, default=300.0)
+    p.add_argument("--plan", help="run this saved plan (DeepCEEStrategy(plan=...))")
+    p.add_argument("--profile-cache", help="DeepCEEStrategy(profile_cache=...)")
+    p.add_argument("--plan-out", type=Path, help="write the planner's plan here at the start")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -69,6 +72,10 @@ def worker_main(argv: list[str]) -> None:
                     f.write(f"{trainer.world_size}\n")
             trainer.strategy.barrier("starts")
             self.start = len(starts.read_text().split()) - 1
+            if args.plan_out is not None and trainer.is_global_zero:
+                strategy = trainer.strategy
+                assert isinstance(strategy, DeepCEEStrategy) and strategy.plan is not None
+                strategy.plan.to_json(args.plan_out)
 
         def on_train_batch_start(self, trainer: pl.Trainer, *rest: Any) -> None:
             me = os.environ.get("DEEPCEE_DEVICE")
@@ -98,7 +105,10 @@ def worker_main(argv: list[str]) -> None:
         devices=1,
         num_nodes=int(os.environ.get("WORLD_SIZE", "1")),
         strategy=DeepCEEStrategy(
-            profile_budget_s=args.profile_budget_s, async_checkpoint=not args.blocking
+            plan=args.plan,
+            profile_cache=args.profile_cache,
+            profile_budget_s=args.profile_budget_s,
+            async_checkpoint=not args.blocking,
         ),
         max_steps=args.steps,
         limit_val_batches=0,
@@ -154,8 +164,28 @@ def loss_figures(rows: list[dict[str, Any]], killed_at: float | None) -> dict[st
     }
 
 
-def run_arm(args: argparse.Namespace, arm: str, run: int) -> dict[str, Any]:
-    """One lab run of ``arm`` (``off``, ``async@K``, ``blocking@K``, ``loss@K``)."""
+def shared_plan(args: argparse.Namespace) -> tuple[Path, Path]:
+    """``plan.json`` and ``profile.json`` that the checkpoint-cost arms all run: made once by a
+    lab run that profiles, plans and trains one step; reused unless ``--fresh-plan``."""
+    folder = args.logs / "plan"
+    plan, profile = (folder / "plan.json").resolve(), (folder / "profile.json").resolve()
+    if args.fresh_plan:
+        plan.unlink(missing_ok=True)
+        profile.unlink(missing_ok=True)
+    if plan.is_file() and profile.is_file():
+        print(f"[elastic-bench] reusing {plan} and {profile} (--fresh-plan makes them again)")
+        return plan, profile
+    record = run_arm(args, "plan", 0, ["--plan-out", str(plan), "--profile-cache", str(profile)])
+    if record["returncode"] != 0 or not plan.is_file() or not profile.is_file():
+        raise SystemExit(f"[elastic-bench] the planning run failed: its logs are in {folder}")
+    return plan, profile
+
+
+def run_arm(
+    args: argparse.Namespace, arm: str, run: int, extra: list[str] | None = None
+) -> dict[str, Any]:
+    """One lab run of ``arm`` (``plan``, ``off``, ``async@K``, ``blocking@K``, ``loss@K``);
+    ``extra`` goes to the worker (the shared plan)."""
     from lightning_deepcee.lab.network import LabNetwork
     from lightning_deepcee.lab.runner import LabControl, RunConfig, run_command
     from lightning_deepcee.lab.topology import load_topology
@@ -163,9 +193,10 @@ def run_arm(args: argparse.Namespace, arm: str, run: int) -> dict[str, Any]:
     kind, _, every = arm.partition("@")
     out = args.logs / arm.replace("@", "_") / f"run{run}"
     work = out / "work"
+    steps = 1 if kind == "plan" else args.steps
     worker = ["--out", str(work), "--size", args.size, "--global-batch", str(args.global_batch),
-              "--steps", str(args.steps), "--every", every or "0",
-              "--profile-budget-s", str(args.profile_budget_s)]  # fmt: skip
+              "--steps", str(steps), "--every", every or "0",
+              "--profile-budget-s", str(args.profile_budget_s), *(extra or [])]  # fmt: skip
     if kind == "blocking":
         worker.append("--blocking")
     if kind == "loss":
@@ -214,9 +245,7 @@ def render(result: dict[str, Any]) -> str:
         f"{cfg['runs']} run(s) per arm, interleaved; device `{cfg['kill']}` killed inside step "
         f"{cfg['kill_step'] + 1}.",
         "",
-        "Every arm profiles and plans at its own start, so two arms may run different plans: the "
-        "step-time columns compare arms only as far as their plans agree (the lab logs print "
-        "each plan).",
+        _plan_sentence(result),
         "",
         "| arm | step s (median) | vs off | step s (mean) | vs off | kill -> first step s "
         "| steps redone | world |",
@@ -239,6 +268,23 @@ def render(result: dict[str, Any]) -> str:
             f"{', '.join(sorted(worlds)) or '-'} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _plan_sentence(result: dict[str, Any]) -> str:
+    """Which plan the arms ran: the step-time columns compare arms only on one plan."""
+    plan = result.get("plan")
+    if plan is None:
+        return (
+            "Every arm profiled and planned at its own start, so two arms may have run different "
+            "plans: the step-time columns compare arms only as far as their plans agree."
+        )
+    stages = " | ".join(",".join(str(r) for r in stage["ranks"]) for stage in plan["stages"])
+    return (
+        f"`off`, `async` and `blocking` ran one plan, made once by a planning run and saved "
+        f"({len(plan['stages'])} stages, ranks {stages}; {plan['schedule']}, "
+        f"{plan['num_microbatches']} micro-batches), so they differ only by checkpoints. "
+        "`loss` arms profile and plan at every start, as an elastic job does."
+    )
 
 
 def _median(runs: list[dict[str, Any]], key: str) -> float | None:
@@ -284,6 +330,9 @@ def harness_main(argv: list[str]) -> int:
     p.add_argument("--arms", default="off,async,blocking,loss", help="which kinds of arm to run")
     p.add_argument("--profile-budget-s", type=float, default=300.0)
     p.add_argument("--run-timeout-s", type=float, default=1500.0)
+    p.add_argument(
+        "--fresh-plan", action="store_true", help="profile and plan the shared plan again"
+    )
     p.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument("--logs", type=Path, default=REPO / "runs" / "bench" / "elastic")
     p.add_argument(
@@ -309,9 +358,15 @@ def harness_main(argv: list[str]) -> int:
     )  # fmt: skip
     args.results.mkdir(parents=True, exist_ok=True)
     path = args.results / f"{args.name}.json"
+    shared: list[str] = []
+    if any(not arm.startswith("loss") for arm in arms):
+        plan, profile = shared_plan(args)
+        shared = ["--plan", str(plan), "--profile-cache", str(profile)]
+        result["plan"] = json.loads(plan.read_text())
     for run in range(args.runs):
         for arm in arms:
-            result["arms"][arm].append(run_arm(args, arm, run))
+            extra = [] if arm.startswith("loss") else shared
+            result["arms"][arm].append(run_arm(args, arm, run, extra))
             path.write_text(json.dumps(result, indent=1))
     table = render(result)
     (args.results / f"{args.name}.md").write_text(table)

@@ -81,3 +81,15 @@ def test_render_compares_with_the_run_without_checkpoints() -> None:
     assert "| async@5 | 1.050 | +5.0% | 1.200 | +20.0% | - | - | - |" in table
     assert "| loss@5 | 1.000 | +0.0% | 1.000 | +0.0% | 61.0 | 2 | 6->5 |" in table
     assert "2026-12-03 at commit abc1234" in table
+    assert "may have run different plans" in table  # no shared plan recorded
+
+
+def test_render_names_the_shared_plan() -> None:
+    plan = {
+        "stages": [{"block_range": [0, 4], "ranks": [0, 1]}, {"block_range": [4, 8], "ranks": [2]}],
+        "schedule": "zb",
+        "num_microbatches": 6,
+    }
+    sentence = _bench()._plan_sentence({"plan": plan})
+    assert "2 stages, ranks 0,1 | 2; zb, 6 micro-batches" in sentence
+    assert "differ only by checkpoints" in sentence
