@@ -184,10 +184,22 @@ def _phases(trace: list[dict[str, Any]], end_s: float) -> list[tuple[str, float,
 
 
 def _rate(steps: list[dict[str, Any]], global_batch: int) -> float | None:
-    """Samples/s over consecutive steps: samples / summed step wall times."""
+    """Samples/s over consecutive steps: samples / the time they took end to end (each step
+    from the end of the one before, so that what callbacks do between steps counts)."""
     if not steps:
         return None
-    return global_batch * len(steps) / sum(s["wall_s"] for s in steps)
+    return global_batch * len(steps) / sum(s.get("span_s", s["wall_s"]) for s in steps)
+
+
+def with_spans(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` with ``span_s``: seconds from the previous step's end (the first step: its
+    own wall time)."""
+    out, previous = [], None
+    for r in sorted(records, key=lambda r: r["step"]):
+        span = r["wall_s"] if previous is None else r["end_s"] - previous["end_s"]
+        out.append({**r, "span_s": round(span, 4)})
+        previous = r
+    return out
 
 
 def summarise(
@@ -198,6 +210,7 @@ def summarise(
     skip_s: float,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    records = with_spans(records)
     for name, start, end in phases:
         begin = max(start, skip_s) if name == "normal" else start
         steps = [r for r in records if begin <= r["end_s"] < end]
@@ -306,6 +319,7 @@ def harness_main(argv: list[str]) -> int:
     p.add_argument("--skip-s", type=float, default=40.0, help="normal phase starts here")
     p.add_argument("--settle", type=int, default=8)
     p.add_argument("--modes", default="off,on")
+    p.add_argument("--runs", type=int, default=1, help="runs per arm, interleaved")
     p.add_argument("--results", type=Path, default=HERE / "results")
     p.add_argument("--logs", type=Path, default=REPO / "runs" / "adapter_bench")
     p.add_argument("--report-only", action="store_true")
@@ -315,7 +329,7 @@ def harness_main(argv: list[str]) -> int:
         help="manual layout: profile the cluster at setup in both arms, so the adapter can "
         "predict and act; results go to adapter_<topology>_replan.*",
     )
-    from lab_bench import parse_with_config
+    from lab_bench import _git_commit, parse_with_config
 
     args = parse_with_config(p, argv)
     if args.topology is None:
@@ -354,32 +368,41 @@ def harness_main(argv: list[str]) -> int:
     )  # fmt: skip
     if planned:
         result["config"].update(layout="plan", plan=plan)
-    result.setdefault("modes", {})
-    for mode in [] if args.report_only else args.modes.split(","):
-        out = folder / mode
-        out.mkdir(parents=True, exist_ok=True)
-        log = out / "steps.jsonl"
-        log.unlink(missing_ok=True)
-        began = time.time()
-        rc = _lab(args.topology, trace_path, out, args.end_s + 240, [
-            "--adapter", mode, "--size", args.size, "--global-batch", str(args.global_batch),
-            "--end-s", str(args.end_s), "--steps-log", str(log.resolve()), *arm,
-        ])  # fmt: skip
-        records = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-        decisions = []
-        rank0_log = out / f"{topology.devices[0].name}.log"
-        if rank0_log.exists():
-            decisions = [
-                line.strip()
-                for line in rank0_log.read_text().splitlines()
-                if "DeepCEE adapter" in line
-            ]
-        result["modes"][mode] = dict(
-            returncode=rc, wall_s=round(time.time() - began, 1), records=records,
-            decisions=decisions,
-            phases=summarise(records, phases, args.global_batch, args.settle, args.skip_s),
-        )  # fmt: skip
-        print(f"[adapter-bench] adapter {mode}: rc={rc}, {len(records)} steps", flush=True)
+    modes = [] if args.report_only else [m.strip() for m in args.modes.split(",") if m.strip()]
+    if modes:  # a table never mixes invocations: this one's runs replace the file's
+        result["modes"] = {mode: {"runs": []} for mode in modes}
+        result["date"], result["commit"] = time.strftime("%Y-%m-%d"), _git_commit()
+    for run in range(args.runs):  # interleaved: off run 1, on run 1, off run 2, ...
+        for mode in modes:
+            out = folder / mode / f"run{run}"
+            out.mkdir(parents=True, exist_ok=True)
+            log = out / "steps.jsonl"
+            log.unlink(missing_ok=True)
+            began = time.time()
+            rc = _lab(args.topology, trace_path, out, args.end_s + 240, [
+                "--adapter", mode, "--size", args.size, "--global-batch", str(args.global_batch),
+                "--end-s", str(args.end_s), "--steps-log", str(log.resolve()), *arm,
+            ])  # fmt: skip
+            records = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+            decisions = []
+            rank0_log = out / f"{topology.devices[0].name}.log"
+            if rank0_log.exists():
+                decisions = [
+                    line.strip()
+                    for line in rank0_log.read_text().splitlines()
+                    if "DeepCEE adapter" in line
+                ]
+            result["modes"][mode]["runs"].append(dict(
+                returncode=rc, wall_s=round(time.time() - began, 1), records=records,
+                decisions=decisions,
+                phases=summarise(records, phases, args.global_batch, args.settle, args.skip_s),
+            ))  # fmt: skip
+            print(
+                f"[adapter-bench] adapter {mode} run {run + 1}/{args.runs}: rc={rc}, "
+                f"{len(records)} steps",
+                flush=True,
+            )
+            result_path.write_text(json.dumps(result, indent=1) + "\n")  # nothing lost
     result["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
     result_path.write_text(json.dumps(result, indent=1) + "\n")
     table = report(result, phases, args.results / name)
@@ -387,11 +410,25 @@ def harness_main(argv: list[str]) -> int:
     return 0
 
 
+def mode_runs(result: dict[str, Any], mode: str) -> list[dict[str, Any]]:
+    """The runs of one arm (a file written before ``--runs`` holds one run per arm)."""
+    entry = result.get("modes", {}).get(mode)
+    if entry is None:
+        return []
+    return list(entry["runs"]) if "runs" in entry else [entry]
+
+
+def phase_median(runs: list[dict[str, Any]], phase: str, key: str) -> float | None:
+    """The median over runs of one phase figure (runs without it left out)."""
+    values = [r["phases"][phase][key] for r in runs if r.get("phases", {}).get(phase, {}).get(key)]
+    return statistics.median(values) if values else None
+
+
 def render(result: dict[str, Any]) -> str:
     """The Markdown of ``<name>.md`` (``benchmarks/report.py`` renders it too)."""
     cfg = result["config"]
     phases = _phases(cfg["trace"], cfg["end_s"])
-    modes = result["modes"]
+    off_runs, on_runs = mode_runs(result, "off"), mode_runs(result, "on")
     if cfg.get("layout") == "plan":
         plan = cfg["plan"]
         stages = " | ".join(",".join(str(r) for r in st["ranks"]) for st in plan["stages"])
@@ -401,38 +438,53 @@ def render(result: dict[str, Any]) -> str:
         )
     else:
         layout = f"{cfg['schedule']} with {cfg['microbatches']} micro-batches"
+    n = min(len(off_runs), len(on_runs))
+    when = (
+        f"Measured {result['date']} at commit {result['commit']}, {n} run(s) per arm "
+        f"interleaved in one invocation; figures are medians over runs. "
+        if "date" in result
+        else ""
+    )
     lines = [
-        f"Topology `{Path(cfg['topology']).stem}`, trace {cfg['trace']}, GPT `{cfg['size']}`, "
-        f"global batch {cfg['global_batch']}, {layout}; the normal phase is counted from "
+        f"{when}Topology `{Path(cfg['topology']).stem}`, trace {cfg['trace']}, GPT "
+        f"`{cfg['size']}`, global batch {cfg['global_batch']}, {layout}; samples/s count each "
+        f"step from the end of the one before; the normal phase is counted from "
         f"{cfg['skip_s']} s (after set-up); "
         f"'settled' leaves out the first {cfg['settle']} steps of a phase.",
         "",
-        "| phase | seconds | adapter off samples/s | adapter on samples/s | on/off | settled off | "
-        "settled on | settled on/off | micro-batches off | micro-batches on (last) |",
+        "| phase | seconds | adapter off samples/s | adapter on samples/s | on/off "
+        "| on/off per run | settled off | settled on | settled on/off | micro-batches on (last) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "-" if not a or not b else f"{a / b:.2f}x"
+
     for name, start, end in phases:
-        off = modes.get("off", {}).get("phases", {}).get(name, {})
-        on = modes.get("on", {}).get("phases", {}).get(name, {})
-
-        def fmt(x: float | None) -> str:
-            return "-" if x is None else f"{x:.2f}"
-
-        def ratio(a: float | None, b: float | None) -> str:
-            return "-" if not a or not b else f"{a / b:.2f}x"
-
-        lines.append(
-            f"| {name} | {start:g}-{end:g} | {fmt(off.get('samples_per_s'))} | "
-            f"{fmt(on.get('samples_per_s'))} | "
-            f"{ratio(on.get('samples_per_s'), off.get('samples_per_s'))} | "
-            f"{fmt(off.get('settled_samples_per_s'))} | {fmt(on.get('settled_samples_per_s'))} | "
-            f"{ratio(on.get('settled_samples_per_s'), off.get('settled_samples_per_s'))} | "
-            f"{off.get('microbatches', '-')} | {on.get('microbatches', '-')} "
-            f"({on.get('last_microbatches', '-')}) |"
+        off, on = (phase_median(off_runs, name, "samples_per_s"),
+                   phase_median(on_runs, name, "samples_per_s"))  # fmt: skip
+        settled_off = phase_median(off_runs, name, "settled_samples_per_s")
+        settled_on = phase_median(on_runs, name, "settled_samples_per_s")
+        per_run = ", ".join(
+            ratio(b["phases"][name]["samples_per_s"], a["phases"][name]["samples_per_s"])
+            for a, b in zip(off_runs, on_runs, strict=False)
+            if "phases" in a and "phases" in b
         )
-    decisions = modes.get("on", {}).get("decisions", [])
-    if decisions:
-        lines += ["", "Adapter decisions (rank 0's console):", "", "```text", *decisions, "```"]
+        counts = sorted({m for r in on_runs for m in r.get("phases", {}).get(name, {}).get(
+            "microbatches", [])})  # fmt: skip
+        lasts = [r.get("phases", {}).get(name, {}).get("last_microbatches", "-") for r in on_runs]
+        lines.append(
+            f"| {name} | {start:g}-{end:g} | {fmt(off)} | {fmt(on)} | {ratio(on, off)} | "
+            f"{per_run or '-'} | {fmt(settled_off)} | {fmt(settled_on)} | "
+            f"{ratio(settled_on, settled_off)} | {counts or '-'} ({', '.join(map(str, lasts))}) |"
+        )
+    for i, run in enumerate(on_runs):
+        if run.get("decisions"):
+            lines += ["", f"Adapter decisions, run {i + 1} (rank 0's console):", "", "```text",
+                      *run["decisions"], "```"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -455,13 +507,15 @@ def _plot(result: dict[str, Any], phases: list[tuple[str, float, float]], path: 
         if name == "degraded":
             ax.axvspan(start, end, color="#f4cccc", label="link degraded")
     for mode, colour in (("off", "#888888"), ("on", "#4c72b0")):
-        records = result["modes"].get(mode, {}).get("records", [])
-        if not records:
-            continue
-        xs = [r["end_s"] for r in records]
-        ys = [g / r["wall_s"] for r in records]
-        smooth = [statistics.median(ys[max(0, i - 2) : i + 3]) for i in range(len(ys))]
-        ax.plot(xs, smooth, color=colour, label=f"adapter {mode} (median of 5 steps)")
+        for i, run in enumerate(mode_runs(result, mode)):
+            records = with_spans(run.get("records", []))
+            if not records:
+                continue
+            xs = [r["end_s"] for r in records]
+            ys = [g / max(r["span_s"], 1e-6) for r in records]
+            smooth = [statistics.median(ys[max(0, j - 2) : j + 3]) for j in range(len(ys))]
+            label = f"adapter {mode} (median of 5 steps)" if i == 0 else None
+            ax.plot(xs, smooth, color=colour, alpha=0.8, linewidth=1, label=label)
     ax.set_xlabel("trace time (s)")
     ax.set_ylabel("samples/s")
     ax.legend(loc="lower left", fontsize=8)

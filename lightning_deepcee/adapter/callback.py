@@ -21,28 +21,31 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_deepcee.adapter import replanning
+from lightning_deepcee.adapter.exchange import Exchanged, pack, unpack
 from lightning_deepcee.adapter.guard import ActionGuard, GuardConfig, Verdict
 from lightning_deepcee.adapter.monitor import LinkMonitor, LinkObservation, MonitorConfig
-from lightning_deepcee.adapter.replan import placement_key
 
 __all__ = ["DynamicEnvironmentAdapter"]
 
-_STATE_VERSION = 2
+_STATE_VERSION = 3
 
 
 class DynamicEnvironmentAdapter(Callback):
     """Follows the links at run time: acts only where the model predicts a gain, keeps only what
     the clock confirms (docs/adapter.md).
 
-    Each step one all-reduce sums every rank's received transfers per device pair (bytes and
-    seconds on the wire) with every rank's step time, so every rank's
+    Each step one all-reduce, posted at the step's end and read at the next one's (so its
+    latency hides behind a step), sums every rank's received transfers per device pair (bytes
+    and seconds on the wire) with every rank's step time, so every rank's
     :class:`~lightning_deepcee.adapter.LinkMonitor` sees the whole pipeline and judges each link
     against what the plan expects of it (:func:`~lightning_deepcee.adapter.link_expectations`),
     lowered to a figure calibrated after ``warmup_steps`` where that is lower. A ``split`` or
     ``merge`` proposal changes the split only as
     :func:`~lightning_deepcee.adapter.choose_split` predicts it pays (``split_gain``); a
-    ``replan`` proposal moves blocks (``DeepCEEStrategy.apply_plan``) only as
-    :func:`~lightning_deepcee.adapter.choose_replan` predicts it pays (``replan_gain``). The
+    ``replan`` proposal starts :func:`~lightning_deepcee.adapter.choose_replan` in a thread on
+    rank 0 while training goes on, and moves blocks (``DeepCEEStrategy.apply_plan``) only as
+    it predicts it pays (``replan_gain``). The
     clock (:class:`~lightning_deepcee.adapter.ActionGuard`) then compares the median step time
     (the slowest rank's) over ``confirm_window`` steps after ``confirm_settle`` with the window
     before; an action away from the plan that did not gain ``confirm_gain`` is reverted (the
@@ -104,8 +107,16 @@ class DynamicEnvironmentAdapter(Callback):
         self.decisions: list[dict[str, Any]] = []
         self._pairs: list[tuple[int, int]] = []
         """The pairs the running plan's transfers use (the all-reduce's layout)."""
-        self._pending_obs: list[Any] | None = None
-        """``[step, [[src, dst, bytes, seconds], ...]]`` gathered last step, judged this step."""
+        self._inflight: Callable[[], Exchanged] | None = None
+        """Waits for the exchange posted at the end of the last step and reads it."""
+        self._proposed: list[dict[str, Any]] = []
+        """This rank's proposals counted in the exchange in flight (gathered when it lands)."""
+        self._changes = 0
+        """Counts changes of the running configuration (split, layout): figures and searches
+        begun under an older count describe a configuration that is gone."""
+        self._search: dict[str, Any] | None = None
+        """The re-plan search running in the background: its context on every rank, the
+        search itself (``"job"``) on rank 0."""
         self._split = 1
         self._base_microbatches: int | None = None
         self._replanned: dict[str, Any] | None = None
@@ -115,6 +126,7 @@ class DynamicEnvironmentAdapter(Callback):
         """Actions the clock reverted, with the link states they were taken under (JSON)."""
         self._deferred: list[dict[str, Any]] = []
         self._last_batch_end: float | None = None
+        self._exchange_group: Any = None
 
     # ------------------------------------------------------------------------------ hooks
     @override
@@ -122,8 +134,9 @@ class DynamicEnvironmentAdapter(Callback):
         from lightning_deepcee.adapter.links import plan_pairs
 
         strategy = _deepcee(trainer)
+        self._inflight, self._proposed, self._search = None, [], None
         if self._replanned is not None:
-            self._restore_replan(trainer, strategy)
+            replanning.restore_replan(self, trainer, strategy)
         if self._base_microbatches is None:
             self._base_microbatches = strategy.num_microbatches
         self._apply_split(trainer, strategy)  # after a resume, the split in force
@@ -154,58 +167,82 @@ class DynamicEnvironmentAdapter(Callback):
         now = time.perf_counter()
         step_s = 0.0 if self._last_batch_end is None else now - self._last_batch_end
         self._last_batch_end = now
-        # The transfers gathered last step are judged now, so that one all-reduce per step
-        # carries both this step's transfers and whether any rank has something to say.
+        # The exchange posted last step lands now (its latency hid behind this step). Its
+        # transfers are judged now and the proposals counted in this step's exchange, so one
+        # all-reduce per step carries the figures and whether any rank has something to say.
+        landed = None if self._inflight is None else self._inflight()
+        self._inflight = None
         mine: list[dict[str, Any]] = []
-        if self._pending_obs is not None:
-            obs_step, rows = self._pending_obs
-            observations = [LinkObservation(obs_step, s, d, b, t) for s, d, b, t in rows]
-            mine = [d.to_dict() for d in self.monitor.observe(obs_step, observations)]
-        rows, slowest_s, anyone = self._exchange(strategy, step_s, len(mine))
-        self._pending_obs = [step, rows]
-        monitor = self.monitor
-        verdict = self.guard.record(step, slowest_s)
+        if landed is not None:
+            observations = [LinkObservation(landed.step, s, d, b, t) for s, d, b, t in landed.rows]
+            mine = [d.to_dict() for d in self.monitor.observe(landed.step, observations)]
+        job = None if self._search is None else self._search["job"]  # rank 0's search
+        self._inflight = self._exchange(
+            strategy, step, step_s, len(mine), job is not None and job.done()
+        )
+        proposed, self._proposed = self._proposed, mine
+        if landed is None:
+            return
+        monitor, changes = self.monitor, self._changes
+        verdict = self.guard.record(landed.step, landed.slowest_s)
         if verdict is not None:
             self._on_verdict(trainer, strategy, verdict)
-        if not anyone:
-            return
-        gathered: list[list[dict[str, Any]] | None] = [None] * strategy.world_size
-        torch.distributed.all_gather_object(gathered, mine)
-        seen: dict[str, dict[str, Any]] = {}
-        for part in gathered:
-            for d in part or []:
-                seen.setdefault(json.dumps(d, sort_keys=True), d)
-        self._decide(trainer, strategy, list(seen.values()), stale=monitor is not self.monitor)
+        if landed.search_done and self._search is not None:
+            replanning.finish_replan(self, trainer, strategy)
+        if landed.anyone:
+            gathered: list[list[dict[str, Any]] | None] = [None] * strategy.world_size
+            torch.distributed.all_gather_object(gathered, proposed)
+            seen: dict[str, dict[str, Any]] = {}
+            for part in gathered:
+                for d in part or []:
+                    seen.setdefault(json.dumps(d, sort_keys=True), d)
+            self._decide(trainer, strategy, list(seen.values()), stale=monitor is not self.monitor)
+        if self._changes != changes:
+            self._forget_exchange()  # its figures and proposals are of the configuration left
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._forget_exchange()
+        self._search = None  # a search still running is abandoned (its thread is a daemon)
+
+    def _forget_exchange(self) -> None:
+        """Let the exchange in flight land and drop it, with the proposals it counted (on every
+        rank at the same step: the configuration changes on all of them together)."""
+        if self._inflight is not None:
+            self._inflight()
+        self._inflight, self._proposed = None, []
 
     # --------------------------------------------------------------------------- per step
     def _exchange(
-        self, strategy: Any, step_s: float, count: int
-    ) -> tuple[list[list[Any]], float, bool]:
-        """One all-reduce: per pair (bytes, wire seconds), every rank's step time and count."""
-        # A receive's blocked time includes waiting for the sender's compute, which a split
-        # shortens: the payload's time on the wire (after its header arrived) is what the link
-        # delivers.
-        index = {pair: i for i, pair in enumerate(self._pairs)}
-        num_pairs, world, rank = len(index), strategy.world_size, strategy.global_rank
-        values = [0.0] * (2 * num_pairs + 2 * world)
-        minimum = self.config.min_bytes
-        for r in strategy.transfer_records:
-            i = index.get((r.peer, rank))
-            if i is not None and r.direction == "recv" and r.wire_s and r.num_bytes >= minimum:
-                values[i] += r.num_bytes
-                values[num_pairs + i] += r.wire_s
-        values[2 * num_pairs + rank] = step_s
-        values[2 * num_pairs + world + rank] = float(count)
+        self, strategy: Any, step: int, step_s: float, count: int, search_done: bool
+    ) -> Callable[[], Exchanged]:
+        """Post one all-reduce: per pair (bytes, wire seconds), every rank's step time and
+        proposal count, and whether the background re-plan search finished; the returned
+        callable waits for it and reads it. It runs on a group of its own, so training's own
+        messages never queue behind it."""
+        values = pack(
+            self._pairs, strategy.transfer_records, rank=strategy.global_rank,
+            world=strategy.world_size, min_bytes=self.config.min_bytes, step_s=step_s,
+            count=count, search_done=search_done,
+        )  # fmt: skip
         summed = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
-        torch.distributed.all_reduce(summed, op=torch.distributed.ReduceOp.SUM)
-        out = summed.tolist()
-        rows = [
-            [s, d, int(out[i]), out[num_pairs + i]]
-            for i, (s, d) in enumerate(self._pairs)
-            if out[i] > 0
-        ]
-        step_times = out[2 * num_pairs : 2 * num_pairs + world]
-        return rows, max(step_times), sum(out[2 * num_pairs + world :]) > 0
+        work = torch.distributed.all_reduce(
+            summed, op=torch.distributed.ReduceOp.SUM, group=self._group(), async_op=True
+        )
+        pairs, world = list(self._pairs), strategy.world_size
+
+        def land() -> Exchanged:
+            if work is not None:
+                work.wait()
+            return unpack(step, pairs, world, summed.tolist())
+
+        return land
+
+    def _group(self) -> Any:
+        """The exchange's process group (every rank), made at the first exchange."""
+        if self._exchange_group is None:
+            self._exchange_group = torch.distributed.new_group()
+        return self._exchange_group
 
     def _decide(
         self,
@@ -236,7 +273,7 @@ class DynamicEnvironmentAdapter(Callback):
         if why is not None:
             for kind in sorted({d["kind"] for d in decisions}):
                 if kind == "replan":
-                    self._record_replan(trainer, decisions, "skipped", why)
+                    replanning.record_replan(self, trainer, decisions, "skipped", why)
                 else:
                     self._record(trainer, {"kind": f"{kind}-skipped", "reason": why})
             return
@@ -250,9 +287,13 @@ class DynamicEnvironmentAdapter(Callback):
 
     def _act(self, trainer: pl.Trainer, strategy: Any, proposals: list[dict[str, Any]]) -> None:
         replans = [d for d in proposals if d["kind"] == "replan"]
-        if replans and self._replan(trainer, strategy, replans):
-            return
         resplits = [d for d in proposals if d["kind"] in ("split", "merge")]
+        if replans and self._search is not None:
+            why = f"a re-plan search begun at step {self._search['step']} is running"
+            replanning.record_replan(self, trainer, replans, "skipped", why)
+        elif replans:
+            replanning.start_replan(self, trainer, strategy, replans, resplits)
+            return  # the split proposals wait for the search: a new plan would replace them
         if resplits:
             self._resplit(trainer, strategy, resplits)
 
@@ -309,7 +350,7 @@ class DynamicEnvironmentAdapter(Callback):
                 gain=self.split_gain,
             ).to_dict()  # fmt: skip
 
-        choice = SplitChoice.from_dict(_on_rank_zero(strategy, "the split gate", gate))
+        choice = SplitChoice.from_dict(replanning.on_rank_zero(strategy, "the split gate", gate))
         merging = all(d["kind"] == "merge" for d in proposals)
         label = "merge" if choice.split < self._split or (merging and not choice.apply) else "split"
         predicted = {str(k): round(v * 1e3, 3) for k, v in choice.step_time_s.items()}
@@ -336,106 +377,11 @@ class DynamicEnvironmentAdapter(Callback):
         target = (self._base_microbatches or strategy.num_microbatches) * self._split
         if target != strategy.num_microbatches:
             strategy.set_num_microbatches(target)
+            self._changes += 1
             for logger in trainer.loggers:
                 logger.log_metrics(
                     {"deepcee/adapter_microbatches": float(target)}, step=trainer.global_step
                 )
-
-    # -------------------------------------------------------------------- slow response
-    def _replan(self, trainer: pl.Trainer, strategy: Any, replans: list[dict[str, Any]]) -> bool:
-        """Search and compare on rank 0, move on every rank; True when a new plan was applied."""
-        from lightning_deepcee.adapter.replan import ReplanChoice, choose_replan
-
-        step = trainer.global_step
-        profile = strategy.cluster_profile
-        observed, changes = self._observed(strategy, replans)
-        current = self._plan_at(strategy, self._split)
-        gain = self.replan_gain
-        choice = ReplanChoice.from_dict(_on_rank_zero(
-            strategy, "re-planning", lambda: choose_replan(observed, current, gain=gain).to_dict()
-        ))  # fmt: skip
-        changed = ", ".join(
-            f"{src}->{dst} {old / 1e6:.3g} -> {new / 1e6:.3g} MB/s"
-            for (src, dst), (old, new) in sorted(changes.items())
-        )
-        new_s = choice.new_step_time_s
-        figures_line = (
-            f"profile links {changed or 'unchanged'}; running plan predicted "
-            f"{choice.current_step_time_s * 1e3:.1f} ms on them, searched plan "
-            f"{'none' if new_s is None else f'{new_s * 1e3:.1f} ms'}"
-        )
-        for logger in trainer.loggers:
-            metrics = {
-                "deepcee/adapter_replan_current_ms": choice.current_step_time_s * 1e3,
-                "deepcee/adapter_replan_applied": float(choice.apply),
-            }
-            if new_s is not None:
-                metrics["deepcee/adapter_replan_new_ms"] = new_s * 1e3
-            logger.log_metrics(metrics, step=step)
-        key = (
-            None if choice.plan is None else self._refuted_key("replan", placement_key(choice.plan))
-        )
-        why = choice.reason
-        if choice.apply and key in self._refuted:
-            why = "the clock reverted a move to this layout under the same link states"
-        if not choice.apply or choice.plan is None or key in self._refuted:
-            self._record_replan(
-                trainer, replans, "kept", f"{why}; {figures_line}", choice.to_dict()
-            )
-            return False
-        previous = {
-            "plan": strategy.plan.to_dict(),
-            "profile": profile.to_dict(),
-            "split": self._split,
-            "base": self._base_microbatches,
-            "replanned": self._replanned,
-        }
-        origin = placement_key(strategy.current_plan())
-        strategy.apply_plan(choice.plan, trainer)
-        strategy.cluster_profile = observed
-        if self._replanned is not None:
-            origin = self._replanned["origin"]  # a resume compares with the first layout
-        measured = (self._replanned or {}).get("measured", profile.to_dict())
-        self._replanned = {
-            "plan": choice.plan.to_dict(),
-            "profile": observed.to_dict(),
-            "origin": origin,
-            "measured": measured,  # the setup profile: the ceiling of a link's recovery
-        }
-        self._split, self._base_microbatches = 1, strategy.num_microbatches
-        self._new_monitor(strategy)
-        self.guard.begin(
-            step, {"kind": "replan", "previous": previous, "key": key}, towards_plan=False
-        )
-        self._record_replan(
-            trainer, replans, "applied", f"{choice.reason}; {figures_line}", choice.to_dict()
-        )
-        return True
-
-    def _record_replan(
-        self,
-        trainer: pl.Trainer,
-        replans: list[dict[str, Any]],
-        action: str,
-        why: str,
-        choice: dict[str, Any] | None = None,
-    ) -> None:
-        links = ", ".join(d.get("name") or f"{d['link'][0]}->{d['link'][1]}" for d in replans)
-        rank_zero_info(
-            f"DeepCEE adapter: step {trainer.global_step} re-plan for link(s) {links}: {action} "
-            f"({why})"
-        )
-        entry: dict[str, Any] = {
-            "step": trainer.global_step,
-            "kind": "replan-" + action,
-            "links": [list(d["link"]) for d in replans],
-            "reason": why,
-        }
-        if choice is not None:
-            entry["current_step_time_s"] = choice["current_step_time_s"]
-            entry["new_step_time_s"] = choice["new_step_time_s"]
-            entry["plan"] = choice["plan"]
-        self.decisions.append(entry)
 
     def _record(self, trainer: pl.Trainer, entry: dict[str, Any]) -> None:
         entry = {"step": trainer.global_step, **entry}
@@ -460,25 +406,13 @@ class DynamicEnvironmentAdapter(Callback):
                 self._split = int(action["from"])
                 self._apply_split(trainer, strategy)
             else:
-                self._revert_replan(trainer, strategy, action["previous"])
+                replanning.revert_replan(self, trainer, strategy, action["previous"])
                 rebuilt = True
             self.guard.settle()
         if self._deferred and self.guard.pending is None:
             deferred, self._deferred = self._deferred, []
             if not rebuilt:
                 self._act(trainer, strategy, deferred)
-
-    def _revert_replan(self, trainer: pl.Trainer, strategy: Any, previous: dict[str, Any]) -> None:
-        from lightning_deepcee.planner import Plan
-        from lightning_deepcee.profiler import ClusterProfile
-
-        strategy.apply_plan(Plan.from_dict(previous["plan"]), trainer)
-        strategy.cluster_profile = ClusterProfile.from_dict(previous["profile"])
-        self._replanned = previous["replanned"]
-        self._base_microbatches = previous["base"] or strategy.num_microbatches
-        self._split = int(previous["split"])
-        self._apply_split(trainer, strategy)
-        self._new_monitor(strategy)
 
     # -------------------------------------------------------------------- layout changes
     def _new_monitor(self, strategy: Any) -> None:
@@ -488,49 +422,8 @@ class DynamicEnvironmentAdapter(Callback):
         self._pairs = plan_pairs(strategy.plan)
         expected, shared = link_expectations(strategy.cluster_profile, self._pairs)
         self.monitor = LinkMonitor(expected, None, self.config, shared)
-        self._pending_obs = None
         self._deferred = []
-
-    def _restore_replan(self, trainer: pl.Trainer, strategy: Any) -> None:
-        """On resume: run the re-planned layout again if setup chose the one it replaced."""
-        from lightning_deepcee.planner import Plan
-        from lightning_deepcee.profiler import ClusterProfile
-
-        assert self._replanned is not None
-        plan = Plan.from_dict(self._replanned["plan"])
-        try:
-            running = placement_key(strategy.current_plan())
-        except ValueError:
-            running = None
-        if running == placement_key(plan):
-            return  # setup runs the re-planned layout already (e.g. passed as plan=...)
-        problem = None
-        if running != self._replanned["origin"]:
-            problem = "setup chose another layout than the one the re-plan replaced"
-        else:
-            try:
-                strategy.check_plan(plan)
-            except ValueError as exc:
-                problem = str(exc)
-        if problem is not None:
-            rank_zero_info(
-                f"DeepCEE adapter: not restoring the re-planned layout of the checkpoint "
-                f"({problem}); keeping setup's layout and watching its links afresh."
-            )
-            self._replanned = None
-            self._split, self._base_microbatches = 1, strategy.num_microbatches
-            self.monitor = None
-            self.guard.cancel()
-            return
-        rank_zero_info("DeepCEE adapter: restoring the re-planned layout of the checkpoint.")
-        strategy.apply_plan(plan, trainer)
-        saved = ClusterProfile.from_dict(self._replanned["profile"])
-        current = strategy.cluster_profile
-        if current is None or (
-            current.cluster_fingerprint == saved.cluster_fingerprint
-            and current.model_fingerprint == saved.model_fingerprint
-        ):
-            strategy.cluster_profile = saved  # the profile the restored plan was made for
+        self._changes += 1
 
     # -------------------------------------------------------------------- checkpoints
     @override
@@ -539,7 +432,6 @@ class DynamicEnvironmentAdapter(Callback):
             "version": _STATE_VERSION,
             "monitor": None if self.monitor is None else self.monitor.state_dict(),
             "pairs": [list(p) for p in self._pairs],
-            "pending_obs": self._pending_obs,
             "guard": self.guard.state_dict(),
             "split": self._split,
             "base_microbatches": self._base_microbatches,
@@ -565,25 +457,10 @@ class DynamicEnvironmentAdapter(Callback):
             self.monitor = LinkMonitor({}, None, self.config)
             self.monitor.load_state_dict(state_dict["monitor"])
         self._pairs = [(int(s), int(d)) for s, d in state_dict["pairs"]]
-        self._pending_obs = state_dict["pending_obs"]
         self.guard.load_state_dict(state_dict["guard"])
         self._split = int(state_dict["split"])
         self._refuted = list(state_dict["refuted"])
         self._deferred = list(state_dict["deferred"])
-
-
-def _on_rank_zero(strategy: Any, what: str, compute: Callable[[], dict[str, Any]]) -> Any:
-    """``compute()`` on rank 0, its outcome broadcast; its error raised on every rank."""
-    outcome: dict[str, Any] = {}
-    if strategy.is_global_zero:
-        try:
-            outcome = compute()
-        except Exception as exc:  # the other ranks wait in the broadcast: tell them
-            outcome = {"error": f"{type(exc).__name__}: {exc}"}
-    outcome = strategy.broadcast(outcome)
-    if "error" in outcome:
-        raise RuntimeError(f"DeepCEE adapter: {what} failed on rank 0: {outcome['error']}")
-    return outcome
 
 
 def _deepcee(trainer: pl.Trainer) -> Any:

@@ -28,8 +28,26 @@ from _fit_worker import _trainer
 from _models import TinyNet, make_loader
 
 from lightning_deepcee import DynamicEnvironmentAdapter
-from lightning_deepcee.adapter import Decision
+from lightning_deepcee.adapter import Decision, replanning
 from lightning_deepcee.planner import Plan
+
+
+class _AtOnce:
+    """The re-plan search finished when it starts, so the step a re-plan lands on is known
+    (forced at step S: proposed in S's exchange, gathered and searched at S+1, rank 0's flag in
+    S+2's exchange, moved at S+3). The threaded search is tested in tests/unit."""
+
+    def __init__(self, compute: Any) -> None:
+        self._outcome = compute()
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> dict[str, Any]:
+        return self._outcome
+
+
+replanning.Background = _AtOnce  # type: ignore[assignment, misc]
 
 warnings.filterwarnings("ignore")
 
@@ -145,7 +163,7 @@ def run(cfg: dict[str, Any], out: Path) -> None:
     rank = int(os.environ["RANK"])
     target = out / cfg["name"]
     model = TinyNet()
-    loader = make_loader()
+    loader = make_loader(num_samples=cfg.get("num_samples", 30))
     if cfg.get("resume"):
         # One epoch (the re-plan happens inside it), save, resume in a fresh trainer and model.
         ckpt = target / "epoch1.ckpt"

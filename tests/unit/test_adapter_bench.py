@@ -140,3 +140,44 @@ def test_both_arms_run_the_plan_made_once(tmp_path: Path, monkeypatch: pytest.Mo
     calls.clear()
     assert bench.harness_main(argv) == 0
     assert len(calls) == 2 and all("--plan-out" not in c for c in calls)
+
+
+def test_samples_per_s_count_the_time_between_steps() -> None:
+    """A stall after a step's end (a callback's work) counts against the step after it."""
+    bench = _bench()
+    records = [
+        {"step": 1, "end_s": 10.0, "wall_s": 1.0, "microbatches": 4},
+        {"step": 2, "end_s": 11.0, "wall_s": 1.0, "microbatches": 4},
+        {"step": 3, "end_s": 22.0, "wall_s": 1.0, "microbatches": 4},  # 10 s outside the step
+    ]
+    spans = [r["span_s"] for r in bench.with_spans(list(reversed(records)))]
+    assert spans == [1.0, 1.0, 11.0]
+    phases = bench.summarise(records, [("normal", 0.0, 100.0)], 12, settle=0, skip_s=0.0)
+    assert phases["normal"]["samples_per_s"] == pytest.approx(36 / 13)
+
+
+def _arm(rate: float, mbs: int = 4) -> dict[str, Any]:
+    phase = {"samples_per_s": rate, "settled_samples_per_s": rate, "microbatches": [mbs],
+             "last_microbatches": mbs}  # fmt: skip
+    return {"phases": {"normal": phase, "degraded": phase, "recovered": phase}, "records": []}
+
+
+def test_the_table_gives_medians_over_interleaved_runs() -> None:
+    trace = [{"at_s": 100.0, "link": ["cloud", "edge"], "bandwidth_mbit": 25.0},
+             {"at_s": 220.0, "link": ["cloud", "edge"], "bandwidth_mbit": 100.0}]  # fmt: skip
+    result = {
+        "config": {"topology": "configs/lab/cee6.yaml", "trace": trace, "size": "gpt5m",
+                   "global_batch": 48, "microbatches": 2, "schedule": "1f1b", "end_s": 320,
+                   "skip_s": 60, "settle": 8},
+        "date": "2026-12-03", "commit": "abc1234",
+        "modes": {"off": {"runs": [_arm(50.0), _arm(60.0), _arm(40.0)]},
+                  "on": {"runs": [_arm(55.0), _arm(54.0), _arm(44.0, 8)]}},
+    }  # fmt: skip
+    table = _bench().render(result)
+    assert "3 run(s) per arm" in table and "2026-12-03 at commit abc1234" in table
+    # Medians 50 and 54; per-run ratios in run order.
+    assert "| normal | 0-100 | 50.00 | 54.00 | 1.08x | 1.10x, 0.90x, 1.10x |" in table
+    assert "[4, 8] (4, 4, 8)" in table
+    # A file from before --runs (one run per arm, no date) still renders.
+    old = {"config": result["config"], "modes": {"off": _arm(50.0), "on": _arm(55.0)}}
+    assert "| normal | 0-100 | 50.00 | 55.00 | 1.10x | 1.10x |" in _bench().render(old)

@@ -96,18 +96,34 @@ def test_one_all_reduce_carries_the_pairs_wire_time_step_time_and_proposals(
         adapter.on_train_start(trainer, None)
     assert adapter._pairs == [(0, 2), (1, 2), (2, 0), (2, 1)]
     sent: list[list[float]] = []
+    waited: list[bool] = []
 
-    def all_reduce(tensor: torch.Tensor, op: Any = None) -> None:
-        sent.append(tensor.tolist())
-        tensor[8] += 0.7  # rank 0's step time (other ranks fill their own slots)
-        tensor[12] += 2.0  # rank 1 has two proposals
+    class Work:
+        def wait(self) -> None:  # the other ranks' parts arrive when the work completes
+            waited.append(True)
+            tensor[8] += 0.7  # rank 0's step time (other ranks fill their own slots)
+            tensor[12] += 2.0  # rank 1 has two proposals
+            tensor[14] += 1.0  # rank 0's re-plan search is done
 
+    def all_reduce(t: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False):
+        nonlocal tensor
+        assert async_op and group == "exchange-group"  # posted, on a group of its own
+        sent.append(t.tolist())
+        tensor = t
+        return Work()
+
+    tensor = torch.zeros(0)
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
-    rows, slowest, anyone = adapter._exchange(strategy, 0.4, 0)
-    # 4 pairs x (bytes, seconds), then the step time and proposal count of each of 3 ranks.
-    assert sent == [[2 << 20, 0, 0, 0, 0.75, 0, 0, 0, 0, 0, 0.4, 0, 0, 0]]
-    assert rows == [[0, 2, 2 << 20, 0.75]]
-    assert slowest == 0.7 and anyone
+    monkeypatch.setattr(torch.distributed, "new_group", lambda: "exchange-group")
+    land = adapter._exchange(strategy, 7, 0.4, 0, False)
+    # 4 pairs x (bytes, seconds), the step time and proposal count of each of 3 ranks, and the
+    # flag of rank 0's search.
+    assert sent == [[2 << 20, 0, 0, 0, 0.75, 0, 0, 0, 0, 0, 0.4, 0, 0, 0, 0]]
+    assert waited == []  # posted, not waited for: it lands at the next step
+    landed = land()
+    assert waited == [True]
+    assert landed.step == 7 and landed.rows == [[0, 2, 2 << 20, 0.75]]
+    assert landed.slowest_s == 0.7 and landed.anyone and landed.search_done
 
 
 def test_the_state_round_trips_and_an_older_one_starts_afresh() -> None:

@@ -26,7 +26,9 @@ from lightning_deepcee.adapter import (
     figures_from_decision,
     link_figures,
     observed_profile,
+    replanning,
 )
+from lightning_deepcee.adapter.exchange import Background
 from lightning_deepcee.planner import Plan, StagePlan, plan_search
 from lightning_deepcee.profiler import ClusterProfile, DeviceProfile
 from lightning_deepcee.runtime import build_stage, get_pipeline_spec
@@ -215,10 +217,43 @@ def test_a_replan_decision_reaches_the_slow_response() -> None:
     trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=30)
     adapter = DynamicEnvironmentAdapter()
     adapter._base_microbatches = 2
-    calls: list[list[dict[str, Any]]] = []
-    adapter._replan = lambda trainer, strategy, replans: calls.append(replans)  # type: ignore[method-assign]
+    adapter._decide(trainer, strategy, [_replan_decision()])  # world 1: no collective
+    search = adapter._search
+    assert search is not None and search["replans"][0]["kind"] == "replan"
+    assert adapter.decisions[-1]["kind"] == "replan-search"
+    # The search runs in a thread on rank 0 while training goes on; every rank takes its
+    # outcome when rank 0 says it is done.
+    job = search["job"]
+    assert job is not None
+    outcome = job.result()
+    assert job.done() and outcome["current_step_time_s"] > 0
+    # A second proposal while it runs starts no second search.
     adapter._decide(trainer, strategy, [_replan_decision()])
-    assert len(calls) == 1 and calls[0][0]["kind"] == "replan"
+    assert adapter._search is search and adapter.decisions[-1]["kind"] == "replan-skipped"
+    replanning.finish_replan(adapter, trainer, strategy)
+    assert adapter._search is None
+    assert adapter.decisions[-1]["kind"] in ("replan-applied", "replan-kept")
+
+
+def test_a_search_is_dropped_when_the_configuration_changed_meanwhile() -> None:
+    strategy = DeepCEEStrategy(schedule="1f1b", num_microbatches=2)
+    strategy.cluster_profile = _profile()
+    strategy.plan = _dp_plan((0, 1, 2))
+    trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=30)
+    adapter = DynamicEnvironmentAdapter()
+    adapter._base_microbatches = 2
+    adapter._decide(trainer, strategy, [_replan_decision()])
+    adapter._new_monitor(strategy)  # the layout changed while the search ran (a revert)
+    replanning.finish_replan(adapter, trainer, strategy)
+    assert adapter.decisions[-1]["kind"] == "replan-dropped"
+    assert strategy.plan == _dp_plan((0, 1, 2))
+
+
+def test_a_failed_background_search_raises_its_error() -> None:
+    job = Background(lambda: 1 / 0)  # type: ignore[arg-type, return-value]
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        job.result()
+    assert job.done()
 
 
 def test_a_replan_without_a_profile_is_logged_and_skipped() -> None:

@@ -1,0 +1,108 @@
+"""The adapter's per-step exchange, packed and read, and its background search (pure).
+
+Each step every rank adds its figures into one vector that a single all-reduce sums (the
+Lightning shim, ``callback.py``, posts it and reads it a step later): per pair of the running
+plan the bytes and seconds on the wire this rank received, every rank's step time and number of
+proposals in its own slot, and a flag rank 0 raises when its re-plan search has finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+__all__ = ["Background", "Exchanged", "pack", "unpack"]
+
+
+class _Received(Protocol):
+    peer: int
+    num_bytes: int
+    direction: str
+    wire_s: float | None
+
+
+class Exchanged(NamedTuple):
+    """One step's exchange, as every rank reads it."""
+
+    step: int
+    rows: list[list[Any]]
+    """``[src, dst, bytes, wire seconds]`` per pair of the running plan with transfers."""
+    slowest_s: float
+    """The slowest rank's step time."""
+    anyone: bool
+    """Some rank has proposals to gather."""
+    search_done: bool
+    """Rank 0's background re-plan search has finished."""
+
+
+def pack(
+    pairs: Sequence[tuple[int, int]],
+    records: Iterable[_Received],
+    *,
+    rank: int,
+    world: int,
+    min_bytes: int,
+    step_s: float,
+    count: int,
+    search_done: bool,
+) -> list[float]:
+    """This rank's part of the sum. Only received transfers of at least ``min_bytes`` with a
+    wire time count: a receive's blocked time includes waiting for the sender's compute, which a
+    split shortens, while the payload's time on the wire is what the link delivers."""
+    index = {pair: i for i, pair in enumerate(pairs)}
+    num_pairs = len(index)
+    values = [0.0] * (2 * num_pairs + 2 * world + 1)
+    for r in records:
+        i = index.get((r.peer, rank))
+        if i is not None and r.direction == "recv" and r.wire_s and r.num_bytes >= min_bytes:
+            values[i] += r.num_bytes
+            values[num_pairs + i] += r.wire_s
+    values[2 * num_pairs + rank] = step_s
+    values[2 * num_pairs + world + rank] = float(count)
+    values[-1] = float(search_done)
+    return values
+
+
+def unpack(step: int, pairs: Sequence[tuple[int, int]], world: int, out: list[float]) -> Exchanged:
+    """Read the summed vector of ``step``."""
+    n = len(pairs)
+    rows = [[s, d, int(out[i]), out[n + i]] for i, (s, d) in enumerate(pairs) if out[i] > 0]
+    step_times = out[2 * n : 2 * n + world]
+    counts = out[2 * n + world : 2 * n + 2 * world]
+    return Exchanged(step, rows, max(step_times), sum(counts) > 0, out[-1] > 0)
+
+
+class Background:
+    """``compute()`` in a daemon thread at the lowest CPU priority, so that on a device under a
+    CPU quota it takes the time training leaves idle (waiting on links) rather than training's.
+    """
+
+    def __init__(self, compute: Callable[[], dict[str, Any]]) -> None:
+        self._outcome: dict[str, Any] | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(compute,), name="deepcee-replan", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, compute: Callable[[], dict[str, Any]]) -> None:
+        with contextlib.suppress(OSError):  # Linux: a thread's nice value is its own
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            self._outcome = compute()
+        except Exception as exc:  # raised on every rank by the shim
+            self._outcome = {"error": f"{type(exc).__name__}: {exc}"}
+
+    def done(self) -> bool:
+        """The computation has finished (or failed)."""
+        return not self._thread.is_alive()
+
+    def result(self) -> dict[str, Any]:
+        """Its outcome (waits for it); its error raised."""
+        self._thread.join()
+        assert self._outcome is not None
+        if "error" in self._outcome:
+            raise RuntimeError(self._outcome["error"])
+        return self._outcome

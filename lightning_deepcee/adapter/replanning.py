@@ -1,0 +1,237 @@
+"""The adapter's slow response: re-plan on the links as measured, revert, restore on resume.
+
+Part of the Lightning shim (``callback.py``): the search runs in a thread on rank 0 while
+training goes on (``exchange.Background``); every rank takes its outcome at the same step, and
+moves blocks only when the cost model predicts a gain and the configuration it was searched for
+still runs. See docs/adapter.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_deepcee.adapter.exchange import Background
+from lightning_deepcee.adapter.replan import placement_key
+
+if TYPE_CHECKING:
+    from lightning_deepcee.adapter.callback import DynamicEnvironmentAdapter
+
+__all__ = [
+    "apply_replan", "finish_replan", "on_rank_zero", "record_replan", "restore_replan",
+    "revert_replan", "start_replan",
+]  # fmt: skip
+
+
+def start_replan(
+    adapter: DynamicEnvironmentAdapter,
+    trainer: pl.Trainer,
+    strategy: Any,
+    replans: list[dict[str, Any]],
+    resplits: list[dict[str, Any]],
+) -> None:
+    """Begin the search for a plan on the links as measured, in a thread on rank 0, so
+    that training goes on meanwhile; :func:`finish_replan` takes its outcome on every rank
+    at the step after rank 0 says it is done."""
+    from lightning_deepcee.adapter.replan import choose_replan
+
+    observed, changes = adapter._observed(strategy, replans)
+    current = adapter._plan_at(strategy, adapter._split)
+    gain = adapter.replan_gain
+    adapter._search = {
+        "step": trainer.global_step, "replans": replans, "resplits": resplits,
+        "observed": observed, "changes": changes, "configuration": adapter._changes,
+        "job": None,
+    }  # fmt: skip
+    if strategy.is_global_zero:
+        adapter._search["job"] = Background(
+            lambda: choose_replan(observed, current, gain=gain).to_dict()
+        )
+    why = "searching a plan for the links as measured, in the background; training goes on"
+    adapter._record(trainer, {"kind": "replan-search", "reason": why})
+
+
+def finish_replan(adapter: DynamicEnvironmentAdapter, trainer: pl.Trainer, strategy: Any) -> None:
+    """Rank 0's search is done: take its outcome on every rank; move if it pays and the
+    configuration it was searched for is still the one running."""
+    search, adapter._search = adapter._search, None
+    assert search is not None
+    job = search["job"]
+    outcome = on_rank_zero(strategy, "re-planning", lambda: job.result() if job else {})
+    replans, resplits = search["replans"], search["resplits"]
+    if search["configuration"] != adapter._changes:
+        why = "the split or layout changed while it searched; the links are judged afresh"
+        record_replan(adapter, trainer, replans, "dropped", why)
+        return
+    if not apply_replan(adapter, trainer, strategy, search, outcome) and resplits:
+        adapter._resplit(trainer, strategy, resplits)
+
+
+def apply_replan(
+    adapter: DynamicEnvironmentAdapter,
+    trainer: pl.Trainer,
+    strategy: Any,
+    search: dict[str, Any],
+    outcome: dict[str, Any],
+) -> bool:
+    """Move on every rank to the searched plan if it pays; True when it was applied."""
+    from lightning_deepcee.adapter.replan import ReplanChoice
+
+    step = trainer.global_step
+    profile = strategy.cluster_profile
+    replans, observed, changes = search["replans"], search["observed"], search["changes"]
+    choice = ReplanChoice.from_dict(outcome)
+    changed = ", ".join(
+        f"{src}->{dst} {old / 1e6:.3g} -> {new / 1e6:.3g} MB/s"
+        for (src, dst), (old, new) in sorted(changes.items())
+    )
+    new_s = choice.new_step_time_s
+    figures_line = (
+        f"profile links {changed or 'unchanged'}; running plan predicted "
+        f"{choice.current_step_time_s * 1e3:.1f} ms on them, searched plan "
+        f"{'none' if new_s is None else f'{new_s * 1e3:.1f} ms'}"
+    )
+    for logger in trainer.loggers:
+        metrics = {
+            "deepcee/adapter_replan_current_ms": choice.current_step_time_s * 1e3,
+            "deepcee/adapter_replan_applied": float(choice.apply),
+        }
+        if new_s is not None:
+            metrics["deepcee/adapter_replan_new_ms"] = new_s * 1e3
+        logger.log_metrics(metrics, step=step)
+    key = (
+        None if choice.plan is None else adapter._refuted_key("replan", placement_key(choice.plan))
+    )
+    why = choice.reason
+    if choice.apply and key in adapter._refuted:
+        why = "the clock reverted a move to this layout under the same link states"
+    if not choice.apply or choice.plan is None or key in adapter._refuted:
+        record_replan(adapter, trainer, replans, "kept", f"{why}; {figures_line}", choice.to_dict())
+        return False
+    previous = {
+        "plan": strategy.plan.to_dict(),
+        "profile": profile.to_dict(),
+        "split": adapter._split,
+        "base": adapter._base_microbatches,
+        "replanned": adapter._replanned,
+    }
+    origin = placement_key(strategy.current_plan())
+    strategy.apply_plan(choice.plan, trainer)
+    strategy.cluster_profile = observed
+    if adapter._replanned is not None:
+        origin = adapter._replanned["origin"]  # a resume compares with the first layout
+    measured = (adapter._replanned or {}).get("measured", profile.to_dict())
+    adapter._replanned = {
+        "plan": choice.plan.to_dict(),
+        "profile": observed.to_dict(),
+        "origin": origin,
+        "measured": measured,  # the setup profile: the ceiling of a link's recovery
+    }
+    adapter._split, adapter._base_microbatches = 1, strategy.num_microbatches
+    adapter._new_monitor(strategy)
+    adapter.guard.begin(
+        step, {"kind": "replan", "previous": previous, "key": key}, towards_plan=False
+    )
+    record_replan(
+        adapter, trainer, replans, "applied", f"{choice.reason}; {figures_line}", choice.to_dict()
+    )
+    return True
+
+
+def record_replan(
+    adapter: DynamicEnvironmentAdapter,
+    trainer: pl.Trainer,
+    replans: list[dict[str, Any]],
+    action: str,
+    why: str,
+    choice: dict[str, Any] | None = None,
+) -> None:
+    links = ", ".join(d.get("name") or f"{d['link'][0]}->{d['link'][1]}" for d in replans)
+    rank_zero_info(
+        f"DeepCEE adapter: step {trainer.global_step} re-plan for link(s) {links}: {action} ({why})"
+    )
+    entry: dict[str, Any] = {
+        "step": trainer.global_step,
+        "kind": "replan-" + action,
+        "links": [list(d["link"]) for d in replans],
+        "reason": why,
+    }
+    if choice is not None:
+        entry["current_step_time_s"] = choice["current_step_time_s"]
+        entry["new_step_time_s"] = choice["new_step_time_s"]
+        entry["plan"] = choice["plan"]
+    adapter.decisions.append(entry)
+
+
+def revert_replan(
+    adapter: DynamicEnvironmentAdapter, trainer: pl.Trainer, strategy: Any, previous: dict[str, Any]
+) -> None:
+    from lightning_deepcee.planner import Plan
+    from lightning_deepcee.profiler import ClusterProfile
+
+    strategy.apply_plan(Plan.from_dict(previous["plan"]), trainer)
+    strategy.cluster_profile = ClusterProfile.from_dict(previous["profile"])
+    adapter._replanned = previous["replanned"]
+    adapter._base_microbatches = previous["base"] or strategy.num_microbatches
+    adapter._split = int(previous["split"])
+    adapter._apply_split(trainer, strategy)
+    adapter._new_monitor(strategy)
+
+
+def restore_replan(adapter: DynamicEnvironmentAdapter, trainer: pl.Trainer, strategy: Any) -> None:
+    """On resume: run the re-planned layout again if setup chose the one it replaced."""
+    from lightning_deepcee.planner import Plan
+    from lightning_deepcee.profiler import ClusterProfile
+
+    assert adapter._replanned is not None
+    plan = Plan.from_dict(adapter._replanned["plan"])
+    try:
+        running = placement_key(strategy.current_plan())
+    except ValueError:
+        running = None
+    if running == placement_key(plan):
+        return  # setup runs the re-planned layout already (e.g. passed as plan=...)
+    problem = None
+    if running != adapter._replanned["origin"]:
+        problem = "setup chose another layout than the one the re-plan replaced"
+    else:
+        try:
+            strategy.check_plan(plan)
+        except ValueError as exc:
+            problem = str(exc)
+    if problem is not None:
+        rank_zero_info(
+            f"DeepCEE adapter: not restoring the re-planned layout of the checkpoint "
+            f"({problem}); keeping setup's layout and watching its links afresh."
+        )
+        adapter._replanned = None
+        adapter._split, adapter._base_microbatches = 1, strategy.num_microbatches
+        adapter.monitor = None
+        adapter.guard.cancel()
+        return
+    rank_zero_info("DeepCEE adapter: restoring the re-planned layout of the checkpoint.")
+    strategy.apply_plan(plan, trainer)
+    saved = ClusterProfile.from_dict(adapter._replanned["profile"])
+    current = strategy.cluster_profile
+    if current is None or (
+        current.cluster_fingerprint == saved.cluster_fingerprint
+        and current.model_fingerprint == saved.model_fingerprint
+    ):
+        strategy.cluster_profile = saved  # the profile the restored plan was made for
+
+
+def on_rank_zero(strategy: Any, what: str, compute: Callable[[], dict[str, Any]]) -> Any:
+    """``compute()`` on rank 0, its outcome broadcast; its error raised on every rank."""
+    outcome: dict[str, Any] = {}
+    if strategy.is_global_zero:
+        try:
+            outcome = compute()
+        except Exception as exc:  # the other ranks wait in the broadcast: tell them
+            outcome = {"error": f"{type(exc).__name__}: {exc}"}
+    outcome = strategy.broadcast(outcome)
+    if "error" in outcome:
+        raise RuntimeError(f"DeepCEE adapter: {what} failed on rank 0: {outcome['error']}")
+    return outcome
