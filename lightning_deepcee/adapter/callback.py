@@ -43,10 +43,10 @@ class DynamicEnvironmentAdapter(Callback):
     lowered to a figure calibrated after ``warmup_steps`` where that is lower. A ``split`` or
     ``merge`` proposal changes the split only as
     :func:`~lightning_deepcee.adapter.choose_split` predicts it pays (``split_gain``); a
-    ``replan`` proposal starts :func:`~lightning_deepcee.adapter.choose_replan` in a thread on
-    rank 0 while training goes on, and moves blocks (``DeepCEEStrategy.apply_plan``) only as
-    it predicts it pays (``replan_gain``). The
-    clock (:class:`~lightning_deepcee.adapter.ActionGuard`) then compares the median step time
+    ``replan`` proposal starts :func:`~lightning_deepcee.adapter.choose_replan` in a thread
+    (on the fastest idle device, else rank 0) while training goes on, and moves blocks
+    (``DeepCEEStrategy.apply_plan``) only as it predicts it pays (``replan_gain``). The clock
+    (:class:`~lightning_deepcee.adapter.ActionGuard`) then compares the median step time
     (the slowest rank's) over ``confirm_window`` steps after ``confirm_settle`` with the window
     before; an action away from the plan that did not gain ``confirm_gain`` is reverted (the
     previous split, or the previous plan and profile) and not retried while the links say the
@@ -116,7 +116,7 @@ class DynamicEnvironmentAdapter(Callback):
         begun under an older count describe a configuration that is gone."""
         self._search: dict[str, Any] | None = None
         """The re-plan search running in the background: its context on every rank, the
-        search itself (``"job"``) on rank 0."""
+        search itself (``"job"``) on the searcher."""
         self._split = 1
         self._base_microbatches: int | None = None
         self._replanned: dict[str, Any] | None = None
@@ -176,7 +176,7 @@ class DynamicEnvironmentAdapter(Callback):
         if landed is not None:
             observations = [LinkObservation(landed.step, s, d, b, t) for s, d, b, t in landed.rows]
             mine = [d.to_dict() for d in self.monitor.observe(landed.step, observations)]
-        job = None if self._search is None else self._search["job"]  # rank 0's search
+        job = None if self._search is None else self._search["job"]  # on the searcher
         self._inflight = self._exchange(
             strategy, step, step_s, len(mine), job is not None and job.done()
         )

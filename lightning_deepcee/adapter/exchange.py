@@ -3,7 +3,7 @@
 Each step every rank adds its figures into one vector that a single all-reduce sums (the
 Lightning shim, ``callback.py``, posts it and reads it a step later): per pair of the running
 plan the bytes and seconds on the wire this rank received, every rank's step time and number of
-proposals in its own slot, and a flag rank 0 raises when its re-plan search has finished.
+proposals in its own slot, and a flag the searcher raises when its re-plan search has finished.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Exchanged(NamedTuple):
     anyone: bool
     """Some rank has proposals to gather."""
     search_done: bool
-    """Rank 0's background re-plan search has finished."""
+    """The background re-plan search has finished (on the rank that runs it)."""
 
 
 def pack(

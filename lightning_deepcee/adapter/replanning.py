@@ -1,9 +1,9 @@
 """The adapter's slow response: re-plan on the links as measured, revert, restore on resume.
 
-Part of the Lightning shim (``callback.py``): the search runs in a thread on rank 0 while
-training goes on (``exchange.Background``); every rank takes its outcome at the same step, and
-moves blocks only when the cost model predicts a gain and the configuration it was searched for
-still runs. See docs/adapter.md.
+Part of the Lightning shim (``callback.py``): the search runs in a thread on an idle device
+(else rank 0) while training goes on (``exchange.Background``); every rank takes its outcome at
+the same step, and moves blocks only when the cost model predicts a gain and the configuration
+it was searched for still runs. See docs/adapter.md.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "apply_replan", "finish_replan", "on_rank_zero", "record_replan", "restore_replan",
-    "revert_replan", "start_replan",
+    "revert_replan", "searcher", "start_replan",
 ]  # fmt: skip
 
 
@@ -33,9 +33,9 @@ def start_replan(
     replans: list[dict[str, Any]],
     resplits: list[dict[str, Any]],
 ) -> None:
-    """Begin the search for a plan on the links as measured, in a thread on rank 0, so
-    that training goes on meanwhile; :func:`finish_replan` takes its outcome on every rank
-    at the step after rank 0 says it is done."""
+    """Begin the search for a plan on the links as measured, in a thread on the searcher
+    (:func:`searcher`), so that training goes on meanwhile; :func:`finish_replan` takes its
+    outcome on every rank at the step after the searcher says it is done."""
     from lightning_deepcee.adapter.replan import choose_replan
 
     observed, changes = adapter._observed(strategy, replans)
@@ -44,13 +44,16 @@ def start_replan(
     adapter._search = {
         "step": trainer.global_step, "replans": replans, "resplits": resplits,
         "observed": observed, "changes": changes, "configuration": adapter._changes,
-        "job": None,
+        "job": None, "searcher": searcher(strategy.plan, strategy.cluster_profile),
     }  # fmt: skip
-    if strategy.is_global_zero:
+    if strategy.global_rank == adapter._search["searcher"]:
         adapter._search["job"] = Background(
             lambda: choose_replan(observed, current, gain=gain).to_dict()
         )
-    why = "searching a plan for the links as measured, in the background; training goes on"
+    why = (
+        f"searching a plan for the links as measured, in the background on rank "
+        f"{adapter._search['searcher']}; training goes on"
+    )
     adapter._record(trainer, {"kind": "replan-search", "reason": why})
 
 
@@ -60,7 +63,9 @@ def finish_replan(adapter: DynamicEnvironmentAdapter, trainer: pl.Trainer, strat
     search, adapter._search = adapter._search, None
     assert search is not None
     job = search["job"]
-    outcome = on_rank_zero(strategy, "re-planning", lambda: job.result() if job else {})
+    outcome = on_rank_zero(
+        strategy, "re-planning", lambda: job.result() if job else {}, src=search["searcher"]
+    )
     replans, resplits = search["replans"], search["resplits"]
     if search["configuration"] != adapter._changes:
         why = "the split or layout changed while it searched; the links are judged afresh"
@@ -223,15 +228,34 @@ def restore_replan(adapter: DynamicEnvironmentAdapter, trainer: pl.Trainer, stra
         strategy.cluster_profile = saved  # the profile the restored plan was made for
 
 
-def on_rank_zero(strategy: Any, what: str, compute: Callable[[], dict[str, Any]]) -> Any:
-    """``compute()`` on rank 0, its outcome broadcast; its error raised on every rank."""
+def on_rank_zero(
+    strategy: Any, what: str, compute: Callable[[], dict[str, Any]], src: int = 0
+) -> Any:
+    """``compute()`` on rank ``src``, its outcome broadcast; its error raised on every rank."""
     outcome: dict[str, Any] = {}
-    if strategy.is_global_zero:
+    if strategy.global_rank == src:
         try:
             outcome = compute()
         except Exception as exc:  # the other ranks wait in the broadcast: tell them
             outcome = {"error": f"{type(exc).__name__}: {exc}"}
-    outcome = strategy.broadcast(outcome)
+    outcome = strategy.broadcast(outcome, src=src)
     if "error" in outcome:
-        raise RuntimeError(f"DeepCEE adapter: {what} failed on rank 0: {outcome['error']}")
+        raise RuntimeError(f"DeepCEE adapter: {what} failed on rank {src}: {outcome['error']}")
     return outcome
+
+
+def searcher(plan: Any, profile: Any) -> int:
+    """The rank that runs a re-plan search: the fastest device the plan leaves idle, whose CPU
+    training does not use (a search takes seconds of CPU, and a device under a CPU quota pays
+    for every one of them in its own steps, however low the thread's priority); rank 0 when
+    every device trains."""
+    idle = list(getattr(plan, "idle_ranks", ()) or ())
+    if not idle:
+        return 0
+    devices = {} if profile is None else {d.rank: d for d in profile.devices}
+
+    def speed(rank: int) -> float:
+        device = devices.get(rank)
+        return 0.0 if device is None else float(device.capability)
+
+    return max(idle, key=lambda rank: (speed(rank), -rank))

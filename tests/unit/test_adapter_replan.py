@@ -3,6 +3,7 @@ and ``DeepCEEStrategy.check_plan`` (what ``apply_plan`` refuses before anything 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 from typing import Any
@@ -345,3 +346,35 @@ def test_check_plan_refuses_a_run_with_several_replicas() -> None:
         strategy.check_plan(_dp_plan((0, 1, 2)))
     with pytest.raises(ValueError, match="3 data-parallel pipeline replicas"):
         strategy.current_plan()
+
+
+def test_the_search_runs_on_the_fastest_idle_device() -> None:
+    profile = _profile()
+    busy = _dp_plan((0, 1, 2))
+    assert replanning.searcher(busy, profile) == 0  # every device trains: rank 0
+    speeds = {0: 5.0, 1: 1.0, 2: 3.0}
+    devices = tuple(dataclasses.replace(d, capability=speeds[d.rank]) for d in profile.devices)
+    faster = dataclasses.replace(profile, devices=devices)
+    stage = StagePlan(block_range=(0, busy.num_blocks), ranks=(0,), batch_shares=(1.0,))
+    idle = dataclasses.replace(busy, stages=(stage,), idle_ranks=(1, 2))
+    assert replanning.searcher(idle, faster) == 2  # idle, and faster than idle rank 1
+    assert replanning.searcher(idle, None) == 1  # no profile: the first idle rank
+
+
+def test_the_outcome_comes_from_the_searcher_and_its_error_is_raised_everywhere() -> None:
+    sent: list[tuple[Any, int]] = []
+
+    class Rank(SimpleNamespace):
+        def broadcast(self, obj: Any, src: int = 0) -> Any:
+            sent.append((obj, src))
+            return {"answer": 42} if self.global_rank != src else obj
+
+    calls: list[int] = []
+    other = Rank(global_rank=1)
+    outcome = replanning.on_rank_zero(other, "x", lambda: {"n": calls.append(1)}, src=2)
+    assert outcome == {"answer": 42} and calls == [] and sent[-1] == ({}, 2)  # computes nothing
+    searcher = Rank(global_rank=2)
+    assert replanning.on_rank_zero(searcher, "x", lambda: {"answer": 7}, src=2) == {"answer": 7}
+    assert sent[-1] == ({"answer": 7}, 2)
+    with pytest.raises(RuntimeError, match="failed on rank 2: ZeroDivisionError"):
+        replanning.on_rank_zero(searcher, "x", lambda: {"v": 1 / 0}, src=2)
