@@ -39,6 +39,15 @@ def start_replan(
     from lightning_deepcee.adapter.replan import choose_replan
 
     observed, changes = adapter._observed(strategy, replans)
+    if all(abs(new - old) <= 0.01 * old for old, new in changes.values()):
+        why = (
+            "the links as measured change no figure of the profile (a rise is capped at the "
+            "figure measured at setup), so a search would find the running plan again"
+        )
+        record_replan(adapter, trainer, replans, "kept", why)
+        if resplits:
+            adapter._resplit(trainer, strategy, resplits)
+        return
     current = adapter._plan_at(strategy, adapter._split)
     gain = adapter.replan_gain
     adapter._search = {

@@ -378,3 +378,20 @@ def test_the_outcome_comes_from_the_searcher_and_its_error_is_raised_everywhere(
     assert sent[-1] == ({"answer": 7}, 2)
     with pytest.raises(RuntimeError, match="failed on rank 2: ZeroDivisionError"):
         replanning.on_rank_zero(searcher, "x", lambda: {"v": 1 / 0}, src=2)
+
+
+def test_a_rise_capped_at_the_setup_figure_starts_no_search() -> None:
+    strategy = DeepCEEStrategy(schedule="1f1b", num_microbatches=2)
+    strategy.cluster_profile = _profile()  # 1e8 B/s between every pair
+    strategy.plan = _dp_plan((0, 1, 2))
+    trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=30)
+    adapter = DynamicEnvironmentAdapter()
+    adapter._base_microbatches = 2
+    faster = {**_replan_decision(), "old_bandwidth": 1e8, "new_bandwidth": 2e8}
+    adapter._decide(trainer, strategy, [faster])
+    assert adapter._search is None
+    kept = adapter.decisions[-1]
+    assert kept["kind"] == "replan-kept" and "change no figure" in kept["reason"]
+    # A drop does change the profile: that one is searched.
+    adapter._decide(trainer, strategy, [_replan_decision()])
+    assert adapter._search is not None
