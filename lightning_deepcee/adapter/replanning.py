@@ -67,7 +67,7 @@ def start_replan(
 
 
 def finish_replan(adapter: DynamicEnvironmentAdapter, trainer: pl.Trainer, strategy: Any) -> None:
-    """Rank 0's search is done: take its outcome on every rank; move if it pays and the
+    """The searcher's search is done: take its outcome on every rank; move if it pays and the
     configuration it was searched for is still the one running."""
     search, adapter._search = adapter._search, None
     assert search is not None
