@@ -211,19 +211,25 @@ def _replan_decision() -> dict[str, Any]:
     )  # fmt: skip
 
 
-def test_a_replan_decision_reaches_the_slow_response() -> None:
+def _profiled_adapter() -> tuple[DynamicEnvironmentAdapter, DeepCEEStrategy, Any]:
+    """An adapter over a profiled 3-device data-parallel plan, at step 30 (world of one)."""
     strategy = DeepCEEStrategy(schedule="1f1b", num_microbatches=2)
     strategy.cluster_profile = _profile()
     strategy.plan = _dp_plan((0, 1, 2))
     trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=30)
     adapter = DynamicEnvironmentAdapter()
     adapter._base_microbatches = 2
+    return adapter, strategy, trainer
+
+
+def test_a_replan_decision_reaches_the_slow_response() -> None:
+    adapter, strategy, trainer = _profiled_adapter()
     adapter._decide(trainer, strategy, [_replan_decision()])  # world 1: no collective
     search = adapter._search
     assert search is not None and search["replans"][0]["kind"] == "replan"
     assert adapter.decisions[-1]["kind"] == "replan-search"
-    # The search runs in a thread on rank 0 while training goes on; every rank takes its
-    # outcome when rank 0 says it is done.
+    # The search runs in a thread on the searcher (rank 0: no device is idle) while training
+    # goes on; every rank takes its outcome when the searcher says it is done.
     job = search["job"]
     assert job is not None
     outcome = job.result()
@@ -237,12 +243,7 @@ def test_a_replan_decision_reaches_the_slow_response() -> None:
 
 
 def test_a_search_is_dropped_when_the_configuration_changed_meanwhile() -> None:
-    strategy = DeepCEEStrategy(schedule="1f1b", num_microbatches=2)
-    strategy.cluster_profile = _profile()
-    strategy.plan = _dp_plan((0, 1, 2))
-    trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=30)
-    adapter = DynamicEnvironmentAdapter()
-    adapter._base_microbatches = 2
+    adapter, strategy, trainer = _profiled_adapter()
     adapter._decide(trainer, strategy, [_replan_decision()])
     adapter._new_monitor(strategy)  # the layout changed while the search ran (a revert)
     replanning.finish_replan(adapter, trainer, strategy)
@@ -370,8 +371,13 @@ def test_the_outcome_comes_from_the_searcher_and_its_error_is_raised_everywhere(
             return {"answer": 42} if self.global_rank != src else obj
 
     calls: list[int] = []
+
+    def compute() -> dict[str, Any]:
+        calls.append(1)
+        return {"n": 1}
+
     other = Rank(global_rank=1)
-    outcome = replanning.on_rank_zero(other, "x", lambda: {"n": calls.append(1)}, src=2)
+    outcome = replanning.on_rank_zero(other, "x", compute, src=2)
     assert outcome == {"answer": 42} and calls == [] and sent[-1] == ({}, 2)  # computes nothing
     searcher = Rank(global_rank=2)
     assert replanning.on_rank_zero(searcher, "x", lambda: {"answer": 7}, src=2) == {"answer": 7}
@@ -381,12 +387,7 @@ def test_the_outcome_comes_from_the_searcher_and_its_error_is_raised_everywhere(
 
 
 def test_a_rise_capped_at_the_setup_figure_starts_no_search() -> None:
-    strategy = DeepCEEStrategy(schedule="1f1b", num_microbatches=2)
-    strategy.cluster_profile = _profile()  # 1e8 B/s between every pair
-    strategy.plan = _dp_plan((0, 1, 2))
-    trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=30)
-    adapter = DynamicEnvironmentAdapter()
-    adapter._base_microbatches = 2
+    adapter, strategy, trainer = _profiled_adapter()  # 1e8 B/s between every pair
     faster = {**_replan_decision(), "old_bandwidth": 1e8, "new_bandwidth": 2e8}
     adapter._decide(trainer, strategy, [faster])
     assert adapter._search is None
