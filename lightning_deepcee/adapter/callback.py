@@ -350,7 +350,7 @@ class DynamicEnvironmentAdapter(Callback):
                 gain=self.split_gain,
             ).to_dict()  # fmt: skip
 
-        choice = SplitChoice.from_dict(replanning.on_rank_zero(strategy, "the split gate", gate))
+        choice = SplitChoice.from_dict(replanning.on_one_rank(strategy, "the split gate", gate))
         merging = all(d["kind"] == "merge" for d in proposals)
         label = "merge" if choice.split < self._split or (merging and not choice.apply) else "split"
         predicted = {str(k): round(v * 1e3, 3) for k, v in choice.step_time_s.items()}

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from lightning_deepcee.adapter.callback import DynamicEnvironmentAdapter
 
 __all__ = [
-    "apply_replan", "finish_replan", "on_rank_zero", "record_replan", "restore_replan",
+    "apply_replan", "finish_replan", "on_one_rank", "record_replan", "restore_replan",
     "revert_replan", "searcher", "start_replan",
 ]  # fmt: skip
 
@@ -72,7 +72,7 @@ def finish_replan(adapter: DynamicEnvironmentAdapter, trainer: pl.Trainer, strat
     search, adapter._search = adapter._search, None
     assert search is not None
     job = search["job"]
-    outcome = on_rank_zero(
+    outcome = on_one_rank(
         strategy, "re-planning", lambda: job.result() if job else {}, src=search["searcher"]
     )
     replans, resplits = search["replans"], search["resplits"]
@@ -237,7 +237,7 @@ def restore_replan(adapter: DynamicEnvironmentAdapter, trainer: pl.Trainer, stra
         strategy.cluster_profile = saved  # the profile the restored plan was made for
 
 
-def on_rank_zero(
+def on_one_rank(
     strategy: Any, what: str, compute: Callable[[], dict[str, Any]], src: int = 0
 ) -> Any:
     """``compute()`` on rank ``src``, its outcome broadcast; its error raised on every rank."""

@@ -377,13 +377,13 @@ def test_the_outcome_comes_from_the_searcher_and_its_error_is_raised_everywhere(
         return {"n": 1}
 
     other = Rank(global_rank=1)
-    outcome = replanning.on_rank_zero(other, "x", compute, src=2)
+    outcome = replanning.on_one_rank(other, "x", compute, src=2)
     assert outcome == {"answer": 42} and calls == [] and sent[-1] == ({}, 2)  # computes nothing
     searcher = Rank(global_rank=2)
-    assert replanning.on_rank_zero(searcher, "x", lambda: {"answer": 7}, src=2) == {"answer": 7}
+    assert replanning.on_one_rank(searcher, "x", lambda: {"answer": 7}, src=2) == {"answer": 7}
     assert sent[-1] == ({"answer": 7}, 2)
     with pytest.raises(RuntimeError, match="failed on rank 2: ZeroDivisionError"):
-        replanning.on_rank_zero(searcher, "x", lambda: {"v": 1 / 0}, src=2)
+        replanning.on_one_rank(searcher, "x", lambda: {"v": 1 / 0}, src=2)
 
 
 def test_a_rise_capped_at_the_setup_figure_starts_no_search() -> None:
