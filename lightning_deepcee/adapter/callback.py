@@ -43,8 +43,9 @@ class DynamicEnvironmentAdapter(Callback):
     lowered to a figure calibrated after ``warmup_steps`` where that is lower. A ``split`` or
     ``merge`` proposal changes the split only as
     :func:`~lightning_deepcee.adapter.choose_split` predicts it pays (``split_gain``); a
-    ``replan`` proposal starts :func:`~lightning_deepcee.adapter.choose_replan` in a thread
-    (on the fastest idle device, else rank 0) while training goes on, and moves blocks
+    ``replan`` proposal starts :func:`~lightning_deepcee.adapter.choose_replan` in a child
+    process (on the fastest idle device, else rank 0) while training goes on, unless the running
+    plan is predicted within the margin of setup's plan on setup's links, and moves blocks
     (``DeepCEEStrategy.apply_plan``) only as it predicts it pays (``replan_gain``). The clock
     (:class:`~lightning_deepcee.adapter.ActionGuard`) then compares the median step time
     (the slowest rank's) over ``confirm_window`` steps after ``confirm_settle`` with the window
@@ -66,6 +67,8 @@ class DynamicEnvironmentAdapter(Callback):
         confirm_settle: steps left out after an action before its window.
         confirm_gain: the least measured gain for which an action away from the plan is kept
             (and the most measured loss for which one back towards it is kept), in ``[0, 1)``.
+        search_cpu_share: on a device under a CPU quota, the most of it a re-plan search may
+            spend, in ``(0, 1]``; the rest stays with training and its communication threads.
         The other arguments are the monitor's (:class:`~lightning_deepcee.adapter.MonitorConfig`).
     """
 
@@ -86,6 +89,7 @@ class DynamicEnvironmentAdapter(Callback):
         confirm_window: int = 6,
         confirm_settle: int = 2,
         confirm_gain: float = 0.05,
+        search_cpu_share: float = 0.5,
     ) -> None:
         self.config = MonitorConfig(
             slow_threshold=slow_threshold, fast_threshold=fast_threshold, window=window,
@@ -99,7 +103,13 @@ class DynamicEnvironmentAdapter(Callback):
                     f"DynamicEnvironmentAdapter: {name} must be in [0, 1) (a fraction of the "
                     f"step time), got {value}"
                 )
+        if isinstance(search_cpu_share, bool) or not 0 < search_cpu_share <= 1:
+            raise ValueError(
+                "DynamicEnvironmentAdapter: search_cpu_share must be in (0, 1] (a fraction of "
+                f"the searcher's CPU quota), got {search_cpu_share}"
+            )
         self.split_gain, self.replan_gain = float(split_gain), float(replan_gain)
+        self.search_cpu_share = float(search_cpu_share)
         self.guard = ActionGuard(
             GuardConfig(window=confirm_window, settle=confirm_settle, min_gain=confirm_gain)
         )
@@ -127,6 +137,9 @@ class DynamicEnvironmentAdapter(Callback):
         self._deferred: list[dict[str, Any]] = []
         self._last_batch_end: float | None = None
         self._exchange_group: Any = None
+        self._floor_s: float | None = None
+        """The step time predicted at setup for the plan the planner chose then, on the links
+        as measured then: no plan beats it on slower links (``None``: a manual layout)."""
 
     # ------------------------------------------------------------------------------ hooks
     @override
@@ -142,6 +155,8 @@ class DynamicEnvironmentAdapter(Callback):
         self._apply_split(trainer, strategy)  # after a resume, the split in force
         if self.monitor is None or self._pairs != plan_pairs(strategy.plan):
             self._new_monitor(strategy)
+        if self._floor_s is None and self._replanned is None:
+            self._floor_s = _setup_floor(strategy)
         self.guard.settle()
         self._last_batch_end = time.perf_counter()
         if strategy.cluster_profile is None:
@@ -203,7 +218,9 @@ class DynamicEnvironmentAdapter(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._forget_exchange()
-        self._search = None  # a search still running is abandoned (its thread is a daemon)
+        if self._search is not None and self._search["job"] is not None:
+            self._search["job"].cancel()  # a search still running is abandoned
+        self._search = None
 
     def _forget_exchange(self) -> None:
         """Let the exchange in flight land and drop it, with the proposals it counted (on every
@@ -439,6 +456,7 @@ class DynamicEnvironmentAdapter(Callback):
             "replanned": self._replanned,
             "refuted": self._refuted,
             "deferred": self._deferred,
+            "floor_s": self._floor_s,
         }
 
     @override
@@ -461,6 +479,18 @@ class DynamicEnvironmentAdapter(Callback):
         self._split = int(state_dict["split"])
         self._refuted = list(state_dict["refuted"])
         self._deferred = list(state_dict["deferred"])
+        self._floor_s = state_dict.get("floor_s")
+
+
+def _setup_floor(strategy: Any) -> float | None:
+    """The running plan's predicted step time on the strategy's profile when the planner chose
+    it (not a manual layout); the re-plan search's floor (``replanning``)."""
+    from lightning_deepcee.planner.cost_model import predict_plan
+
+    plan, profile = strategy.plan, strategy.cluster_profile
+    if plan is None or profile is None or plan.notes == "manual layout":
+        return None
+    return float(predict_plan(profile, plan).step_time_s)
 
 
 def _deepcee(trainer: pl.Trainer) -> Any:

@@ -1,4 +1,4 @@
-"""The adapter's per-step exchange, packed and read, and its background search (pure).
+"""The adapter's per-step exchange, packed and read (pure).
 
 Each step every rank adds its figures into one vector that a single all-reduce sums (the
 Lightning shim, ``callback.py``, posts it and reads it a step later): per pair of the running
@@ -8,13 +8,10 @@ proposals in its own slot, and a flag the searcher raises when its re-plan searc
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-__all__ = ["Background", "Exchanged", "pack", "unpack"]
+__all__ = ["Exchanged", "pack", "unpack"]
 
 
 class _Received(Protocol):
@@ -73,36 +70,3 @@ def unpack(step: int, pairs: Sequence[tuple[int, int]], world: int, out: list[fl
     step_times = out[2 * n : 2 * n + world]
     counts = out[2 * n + world : 2 * n + 2 * world]
     return Exchanged(step, rows, max(step_times), sum(counts) > 0, out[-1] > 0)
-
-
-class Background:
-    """``compute()`` in a daemon thread at the lowest CPU priority, so that on a device under a
-    CPU quota it takes the time training leaves idle (waiting on links) rather than training's.
-    """
-
-    def __init__(self, compute: Callable[[], dict[str, Any]]) -> None:
-        self._outcome: dict[str, Any] | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(compute,), name="deepcee-replan", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, compute: Callable[[], dict[str, Any]]) -> None:
-        with contextlib.suppress(OSError):  # Linux: a thread's nice value is its own
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        try:
-            self._outcome = compute()
-        except Exception as exc:  # raised on every rank by the shim
-            self._outcome = {"error": f"{type(exc).__name__}: {exc}"}
-
-    def done(self) -> bool:
-        """The computation has finished (or failed)."""
-        return not self._thread.is_alive()
-
-    def result(self) -> dict[str, Any]:
-        """Its outcome (waits for it); its error raised."""
-        self._thread.join()
-        assert self._outcome is not None
-        if "error" in self._outcome:
-            raise RuntimeError(self._outcome["error"])
-        return self._outcome

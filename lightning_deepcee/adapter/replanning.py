@@ -1,9 +1,9 @@
 """The adapter's slow response: re-plan on the links as measured, revert, restore on resume.
 
-Part of the Lightning shim (``callback.py``): the search runs in a thread on an idle device
-(else rank 0) while training goes on (``exchange.Background``); every rank takes its outcome at
-the same step, and moves blocks only when the cost model predicts a gain and the configuration
-it was searched for still runs. See docs/adapter.md.
+Part of the Lightning shim (``callback.py``): the search runs in a child process on an idle
+device (else rank 0) while training goes on (``search_process.SearchProcess``); every rank takes
+its outcome at the same step, and moves blocks only when the cost model predicts a gain and the
+configuration it was searched for still runs. See docs/adapter.md.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_deepcee.adapter.exchange import Background
 from lightning_deepcee.adapter.replan import placement_key
+from lightning_deepcee.adapter.search_process import SearchProcess
 
 if TYPE_CHECKING:
     from lightning_deepcee.adapter.callback import DynamicEnvironmentAdapter
@@ -33,37 +33,69 @@ def start_replan(
     replans: list[dict[str, Any]],
     resplits: list[dict[str, Any]],
 ) -> None:
-    """Begin the search for a plan on the links as measured, in a thread on the searcher
+    """Begin the search for a plan on the links as measured, in a child process on the searcher
     (:func:`searcher`), so that training goes on meanwhile; :func:`finish_replan` takes its
-    outcome on every rank at the step after the searcher says it is done."""
-    from lightning_deepcee.adapter.replan import choose_replan
+    outcome on every rank at the step after the searcher says it is done. No search starts when
+    none can pay (:func:`_hopeless`)."""
+    from lightning_deepcee.planner.cost_model import predict_plan
 
     observed, changes = adapter._observed(strategy, replans)
-    if all(abs(new - old) <= 0.01 * old for old, new in changes.values()):
-        why = (
-            "the links as measured change no figure of the profile (a rise is capped at the "
-            "figure measured at setup), so a search would find the running plan again"
-        )
+    current = adapter._plan_at(strategy, adapter._split)
+    gain = adapter.replan_gain
+    why = _hopeless(changes, predict_plan(observed, current).step_time_s, adapter._floor_s, gain)
+    if why is not None:
         record_replan(adapter, trainer, replans, "kept", why)
         if resplits:
             adapter._resplit(trainer, strategy, resplits)
         return
-    current = adapter._plan_at(strategy, adapter._split)
-    gain = adapter.replan_gain
     adapter._search = {
         "step": trainer.global_step, "replans": replans, "resplits": resplits,
         "observed": observed, "changes": changes, "configuration": adapter._changes,
         "job": None, "searcher": searcher(strategy.plan, strategy.cluster_profile),
     }  # fmt: skip
     if strategy.global_rank == adapter._search["searcher"]:
-        adapter._search["job"] = Background(
-            lambda: choose_replan(observed, current, gain=gain).to_dict()
-        )
+        adapter._search["job"] = SearchProcess(
+            {"profile": observed.to_dict(), "plan": current.to_dict(), "gain": gain,
+             **_pacing(adapter.search_cpu_share)}
+        )  # fmt: skip
     why = (
         f"searching a plan for the links as measured, in the background on rank "
         f"{adapter._search['searcher']}; training goes on"
     )
     adapter._record(trainer, {"kind": "replan-search", "reason": why})
+
+
+def _hopeless(
+    changes: dict[Any, tuple[float, float]], current_s: float, floor_s: float | None, gain: float
+) -> str | None:
+    """Why no search can find a plan worth moving to, or None.
+
+    The links as measured change no figure of the profile (a link that rose back to its setup
+    figure, where rises are capped): the search would find the running plan again. Or the
+    running plan is predicted within the margin of ``floor_s``, the step time of the plan the
+    planner chose for the links as measured at setup: rises are capped at those figures, and a
+    slower link never makes a plan faster, so no plan on the links as they are now can beat it.
+    """
+    if all(abs(new - old) <= 0.01 * old for old, new in changes.values()):
+        return (
+            "the links as measured change no figure of the profile (a rise is capped at the "
+            "figure measured at setup), so a search would find the running plan again"
+        )
+    if floor_s is not None and floor_s >= current_s * (1 - gain):
+        return (
+            f"no plan can gain the margin {gain:.0%}: the running plan is predicted "
+            f"{current_s * 1e3:.1f} ms on the links as measured, and no plan beats the "
+            f"{floor_s * 1e3:.1f} ms of setup's plan on the links as measured at setup"
+        )
+    return None
+
+
+def _pacing(share: float) -> dict[str, Any]:
+    """The CPU quota this device runs under and the share of it a search may spend."""
+    from lightning_deepcee.runtime.cpu_quota import read_cpu_quota
+
+    quota = read_cpu_quota()
+    return {} if quota is None else {"cpu": [quota.cores, quota.period_s], "share": share}
 
 
 def finish_replan(adapter: DynamicEnvironmentAdapter, trainer: pl.Trainer, strategy: Any) -> None:

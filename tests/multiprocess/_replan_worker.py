@@ -28,17 +28,17 @@ from _fit_worker import _trainer
 from _models import TinyNet, make_loader
 
 from lightning_deepcee import DynamicEnvironmentAdapter
-from lightning_deepcee.adapter import Decision, replanning
+from lightning_deepcee.adapter import Decision, replanning, search_process
 from lightning_deepcee.planner import Plan
 
 
 class _AtOnce:
     """The re-plan search finished when it starts, so the step a re-plan lands on is known
     (forced at step S: proposed in S's exchange, gathered and searched at S+1, rank 0's flag in
-    S+2's exchange, moved at S+3). The threaded search is tested in tests/unit."""
+    S+2's exchange, moved at S+3). The search process is tested in tests/unit."""
 
-    def __init__(self, compute: Any) -> None:
-        self._outcome = compute()
+    def __init__(self, request: Any) -> None:
+        self._outcome = search_process.run(request)
 
     def done(self) -> bool:
         return True
@@ -47,7 +47,7 @@ class _AtOnce:
         return self._outcome
 
 
-replanning.Background = _AtOnce  # type: ignore[assignment, misc]
+replanning.SearchProcess = _AtOnce  # type: ignore[assignment, misc]
 
 warnings.filterwarnings("ignore")
 

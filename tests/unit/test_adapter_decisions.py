@@ -30,6 +30,7 @@ from lightning_deepcee.adapter import (
     observed_profile,
     plan_pairs,
     replanning,
+    search_process,
     with_microbatches,
 )
 from lightning_deepcee.adapter.exchange import Exchanged
@@ -40,8 +41,8 @@ from lightning_deepcee.profiler import ClusterProfile, DeviceProfile
 class AtOnce:
     """A background search that has finished when it starts (the tests need known steps)."""
 
-    def __init__(self, compute: Callable[[], dict[str, Any]]) -> None:
-        self._outcome = compute()
+    def __init__(self, request: dict[str, Any]) -> None:
+        self._outcome = search_process.run(request)
 
     def done(self) -> bool:
         return True
@@ -257,7 +258,7 @@ def _run(
     adapter = DynamicEnvironmentAdapter(**adapter_args)
     gather = lambda out, obj: out.__setitem__(0, obj)  # noqa: E731
     monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
-    monkeypatch.setattr(replanning, "Background", AtOnce)  # searches land on a known step
+    monkeypatch.setattr(replanning, "SearchProcess", AtOnce)  # searches land on a known step
     trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=0)
     adapter.on_train_start(trainer, None)
     microbatches = []

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,8 +32,8 @@ from lightning_deepcee.adapter import (
     observed_profile,
     replanning,
 )
-from lightning_deepcee.adapter.exchange import Background
-from lightning_deepcee.planner import Plan, StagePlan, plan_search
+from lightning_deepcee.adapter.search_process import SearchProcess
+from lightning_deepcee.planner import Plan, StagePlan, plan_search, predict_plan
 from lightning_deepcee.profiler import ClusterProfile, DeviceProfile
 from lightning_deepcee.runtime import build_stage, get_pipeline_spec
 from lightning_deepcee.runtime.measure import model_fingerprint
@@ -228,8 +231,8 @@ def test_a_replan_decision_reaches_the_slow_response() -> None:
     search = adapter._search
     assert search is not None and search["replans"][0]["kind"] == "replan"
     assert adapter.decisions[-1]["kind"] == "replan-search"
-    # The search runs in a thread on the searcher (rank 0: no device is idle) while training
-    # goes on; every rank takes its outcome when the searcher says it is done.
+    # The search runs in a child process on the searcher (rank 0: no device is idle) while
+    # training goes on; every rank takes its outcome when the searcher says it is done.
     job = search["job"]
     assert job is not None
     outcome = job.result()
@@ -251,11 +254,72 @@ def test_a_search_is_dropped_when_the_configuration_changed_meanwhile() -> None:
     assert strategy.plan == _dp_plan((0, 1, 2))
 
 
-def test_a_failed_background_search_raises_its_error() -> None:
-    job = Background(lambda: 1 / 0)  # type: ignore[arg-type, return-value]
-    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+def test_a_failed_search_process_raises_its_error() -> None:
+    job = SearchProcess({"profile": {}, "plan": {}, "gain": 0.1})
+    with pytest.raises(RuntimeError, match="ValueError: devices: missing required key"):
         job.result()
     assert job.done()
+
+
+def test_a_cancelled_search_process_stops() -> None:
+    adapter, strategy, trainer = _profiled_adapter()
+    adapter._decide(trainer, strategy, [_replan_decision()])
+    job = adapter._search["job"]  # type: ignore[index]
+    adapter.on_train_end(trainer, None)  # type: ignore[arg-type]
+    assert adapter._search is None and job.done()
+    with pytest.raises(ProcessLookupError):
+        os.kill(job.pid, 0)  # reaped, not a zombie
+
+
+def test_the_search_spends_at_most_its_share_of_the_quota() -> None:
+    """Under a quota of 0.5 cores the search may spend a fifth of it: 0.1 s of CPU per second."""
+    code = (
+        "import signal, time\n"
+        "from lightning_deepcee.adapter.search_process import pace\n"
+        "pace(0.5, 0.05, 0.2)\n"
+        "start, cpu = time.monotonic(), time.process_time()\n"
+        "while time.monotonic() - start < 1.0:\n"
+        "    pass\n"
+        "signal.setitimer(signal.ITIMER_PROF, 0, 0)\n"
+        "print(time.process_time() - cpu)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    spent = float(out.stdout.split()[-1])
+    # 0.1 s, plus at most one timer tick (the kernel counts CPU time in ticks of 1-10 ms).
+    assert 0.02 < spent < 0.13, f"spent {spent:.3f} s of CPU in 1 s of busy loop"
+
+
+def test_no_search_starts_when_none_can_gain_the_margin() -> None:
+    """A plan's step on slower links is at least its step on setup's: when the running plan on
+    the links as measured is within the margin of setup's plan on setup's, no search starts."""
+    adapter, strategy, trainer = _profiled_adapter()
+    observed, _ = adapter._observed(strategy, [_replan_decision()])
+    running_s = predict_plan(observed, strategy.plan).step_time_s
+    adapter._floor_s = running_s * 0.95  # the margin is 10%
+    adapter._decide(trainer, strategy, [_replan_decision()])
+    kept = adapter.decisions[-1]
+    assert adapter._search is None
+    assert kept["kind"] == "replan-kept" and "no plan can gain the margin 10%" in kept["reason"]
+    adapter._floor_s = running_s * 0.85
+    adapter._decide(trainer, strategy, [_replan_decision()])
+    assert adapter._search is not None and adapter.decisions[-1]["kind"] == "replan-search"
+    adapter.on_train_end(trainer, None)  # type: ignore[arg-type]
+
+
+def test_the_floor_is_setups_plan_on_setups_profile_and_survives_a_resume() -> None:
+    from lightning_deepcee.adapter.callback import _setup_floor
+
+    adapter, strategy, _ = _profiled_adapter()
+    floor = _setup_floor(strategy)
+    assert floor == pytest.approx(predict_plan(strategy.cluster_profile, strategy.plan).step_time_s)
+    adapter._floor_s = floor
+    restored = DynamicEnvironmentAdapter()
+    restored.load_state_dict(adapter.state_dict())
+    assert restored._floor_s == floor
+    manual = DeepCEEStrategy(schedule="1f1b", num_microbatches=2)
+    manual.cluster_profile = _profile()
+    manual.plan = dataclasses.replace(_dp_plan((0, 1, 2)), notes="manual layout")
+    assert _setup_floor(manual) is None  # a hand-made layout is no floor
 
 
 def test_a_replan_without_a_profile_is_logged_and_skipped() -> None:

@@ -1,0 +1,163 @@
+"""The re-plan search in a child process of its own, paced under a CPU quota (pure).
+
+A search over device subsets and micro-batch counts takes seconds of CPU. Run as a thread of the
+training process it holds the GIL against the training loop; run on a device under a CPU quota
+(a container's CPU limit, a Kubernetes ``limits.cpu``, the lab's devices) it spends the quota
+while training waits for a message, and training's next burst then stalls until the quota's next
+period, however low the search's priority. So the search runs in a child process at the lowest
+priority (``nice 19``) and, under a quota, spends at most ``share`` of each period's budget
+(a ``SIGPROF`` timer counts its CPU and sleeps out the period when the share is spent), leaving
+the rest to the training process and its communication threads.
+
+Request and outcome are JSON files in a temporary folder: the request holds the observed
+profile, the running plan and the margin; the outcome is :meth:`ReplanChoice.to_dict` or
+``{"error": ...}``. ``python -m lightning_deepcee.adapter.search_process FOLDER`` runs one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+__all__ = ["SearchProcess", "main", "pace", "run"]
+
+_REQUEST, _OUTCOME, _ERRORS = "request.json", "outcome.json", "stderr.txt"
+_ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def run(request: Mapping[str, Any]) -> dict[str, Any]:
+    """The search itself: ``choose_replan`` on the request's profile and plan, as a dict."""
+    from lightning_deepcee.adapter.replan import choose_replan
+    from lightning_deepcee.planner.plan import Plan
+    from lightning_deepcee.profiler.data import ClusterProfile
+
+    profile = ClusterProfile.from_dict(request["profile"])
+    current = Plan.from_dict(request["plan"])
+    return choose_replan(profile, current, gain=float(request["gain"])).to_dict()
+
+
+def pace(cores: float, period_s: float, share: float) -> None:
+    """Keep this process's CPU to ``share`` of a quota of ``cores`` per ``period_s``: every few
+    milliseconds of CPU (the kernel's timer ticks) a ``SIGPROF`` handler checks the spending
+    since the window began; once a period's share is spent it sleeps until the spending is back
+    at the rate, overshoot included (the Python code pauses between bytecodes)."""
+    if not (cores > 0 and period_s > 0 and 0 < share <= 1):
+        raise ValueError(f"pace: needs cores, period_s > 0 and share in (0, 1], got "
+                         f"{cores}, {period_s}, {share}")  # fmt: skip
+    rate = share * cores  # CPU seconds per second
+    budget = rate * period_s
+    window = {"wall": time.monotonic(), "cpu": time.process_time()}
+
+    def check(signum: int, frame: FrameType | None) -> None:
+        now, cpu = time.monotonic(), time.process_time()
+        spent = cpu - window["cpu"]
+        if spent >= budget:  # sleep until the window's spending is back at the rate
+            time.sleep(max(0.0, window["wall"] + spent / rate - now))
+        if spent >= budget or now - window["wall"] >= period_s:
+            window["wall"], window["cpu"] = time.monotonic(), time.process_time()
+
+    tick = max(budget / 4, 0.001)
+    signal.signal(signal.SIGPROF, check)
+    signal.setitimer(signal.ITIMER_PROF, tick, tick)
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run the request in folder ``argv[0]`` and write its outcome there (the child's side)."""
+    folder = Path(argv[0])
+    with contextlib.suppress(OSError):
+        os.nice(19)
+    request = json.loads((folder / _REQUEST).read_text())
+    if request.get("cpu") is not None:
+        cores, period_s = request["cpu"]
+        pace(float(cores), float(period_s), float(request["share"]))
+    try:
+        outcome = run(request)
+    except Exception as exc:  # the parent raises it on every rank
+        outcome = {"error": f"{type(exc).__name__}: {exc}"}
+    signal.setitimer(signal.ITIMER_PROF, 0, 0)
+    partial = folder / (_OUTCOME + ".part")
+    partial.write_text(json.dumps(outcome))
+    partial.replace(folder / _OUTCOME)
+    return 0
+
+
+def _reap(process: subprocess.Popen[bytes], folder: str) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class SearchProcess:
+    """One re-plan search running in a child process (the parent's side).
+
+    Args:
+        request: ``{"profile": ..., "plan": ..., "gain": ...}`` (dicts of the observed profile
+            and the running plan) and optionally ``"cpu": [cores, period_s]`` (the quota this
+            device runs under) with ``"share"``, the part of it the search may spend.
+    """
+
+    def __init__(self, request: Mapping[str, Any]) -> None:
+        self._folder = tempfile.mkdtemp(prefix="deepcee-replan-")
+        folder = Path(self._folder)
+        (folder / _REQUEST).write_text(json.dumps(dict(request)))
+        env = dict(os.environ)
+        source = str(Path(__file__).resolve().parents[2])  # the package's own copy, first
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
+        env.update(dict.fromkeys(_ONE_THREAD, "1"))
+        with open(folder / _ERRORS, "wb") as errors:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "lightning_deepcee.adapter.search_process", self._folder],
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
+            )  # fmt: skip
+        self._finalizer = weakref.finalize(self, _reap, self._process, self._folder)
+        self._outcome: dict[str, Any] | None = None
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self._process.pid
+
+    def done(self) -> bool:
+        """The search has finished (or failed)."""
+        return self._process.poll() is not None
+
+    def result(self) -> dict[str, Any]:
+        """Its outcome (waits for it); its error raised as ``RuntimeError``."""
+        if self._outcome is None:
+            self._process.wait()
+            self._outcome = self._read()
+            self._finalizer()
+        if "error" in self._outcome:
+            raise RuntimeError(self._outcome["error"])
+        return self._outcome
+
+    def _read(self) -> dict[str, Any]:
+        folder = Path(self._folder)
+        try:
+            outcome: dict[str, Any] = json.loads((folder / _OUTCOME).read_text())
+        except (OSError, ValueError):
+            errors = (folder / _ERRORS).read_text(errors="replace").strip().splitlines()
+            tail = " | ".join(errors[-3:]) or "no output"
+            return {"error": f"the search process exited {self._process.returncode}: {tail}"}
+        return outcome
+
+    def cancel(self) -> None:
+        """Stop the search if it still runs and remove its files."""
+        self._finalizer()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
