@@ -6,6 +6,7 @@ Each import says what it is for and why the public API does not do.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ __all__ = [
     "keystr",
     "mock_optimizer",
     "optimizers_to_device",
+    "set_default_timeout",
     "stage_backward_input",
     "stage_backward_weight",
     "tree_flatten",
@@ -88,6 +90,16 @@ def default_store() -> Any | None:
         return _get_default_store()
     except (RuntimeError, ValueError, ImportError):
         return None
+
+
+def set_default_timeout(timeout: timedelta) -> None:
+    """Set the default process group's timeout, and its store's, after the group has formed
+    (``_set_pg_timeout``: a group takes its timeout when it is made, and there is no public way
+    to form it with one timeout and run it with another)."""
+    dist.distributed_c10d._set_pg_timeout(timeout)
+    store = default_store()
+    if store is not None:
+        store.set_timeout(timeout)
 
 
 def optimizers_to_device(optimizers: Any, device: Any) -> None:

@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_deepcee._compat import PATH, default_store
+from lightning_deepcee._compat import PATH, default_store, set_default_timeout
 from lightning_deepcee.checkpoint import load_meta, load_sharded, save_sharded
 from lightning_deepcee.layout_strategy import PipelineLayoutStrategy
 from lightning_deepcee.runtime.checkpoint_writer import CheckpointWriter, snapshot
@@ -44,6 +45,10 @@ __all__ = ["FAILURE_FILE", "ElasticStrategy", "ResumableLoader"]
 
 FAILURE_FILE = "deepcee_failure.json"
 """Written beside the checkpoints when a fit fails; read by the run that resumes."""
+START_TIMEOUT_S = 600.0
+"""How long forming the process group waits for the last device to arrive. A device at a few
+percent of a core takes a minute or more to import torch and Lightning and build its model before
+it joins; the strategy's ``timeout_s`` (how soon a dead device stops the others) starts after."""
 WRITER_GRACE_S = 60.0
 """After a failure, how long a rank waits for the checkpoint save in flight to commit."""
 _SHARD_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", "optimizer_param_names")
@@ -109,6 +114,20 @@ class ElasticStrategy(PipelineLayoutStrategy):
     _resumed: dict[str, Any] | None = None
     """What the resume found (failure record, steps to redo), for the first step's report."""
     _step_began: float = 0.0
+
+    @override
+    def setup_distributed(self) -> None:
+        """Form the process group with ``START_TIMEOUT_S`` for the devices to arrive, then run it
+        with the strategy's own timeout (``timeout_s``)."""
+        running = self._timeout
+        start = timedelta(seconds=START_TIMEOUT_S)
+        self._timeout = start if running is None else max(running, start)
+        try:
+            super().setup_distributed()
+        finally:
+            self._timeout = running
+        if running is not None and dist.is_initialized():
+            set_default_timeout(running)
 
     @override
     def setup_environment(self) -> None:

@@ -131,8 +131,8 @@ class DeepCEEStrategy(ElasticStrategy):
         timeout_s: seconds a collective or transfer may block before the process group fails;
             a dead device or link therefore stops every rank within about this long (plus a
             3 s look at the heartbeats), with a ``DeviceLostError`` naming the lost rank, its
-            stage and host, or a ``RankFailedError`` with the error of the rank that failed
-            (Lightning's default timeout is 30 minutes).
+            stage and host, or a ``RankFailedError`` with the error of the rank that failed.
+            Forming the process group waits longer for slow starters (``START_TIMEOUT_S``).
         verbose: print the partition and schedule on rank 0 at setup.
         receive_ahead: on gloo, post every receive of a step when it starts, into payload
             slots sized by the last step, so senders never wait for the receiver to reach its
