@@ -51,7 +51,8 @@ def start_replan(
     adapter._search = {
         "step": trainer.global_step, "replans": replans, "resplits": resplits,
         "observed": observed, "changes": changes, "configuration": adapter._changes,
-        "job": None, "searcher": searcher(strategy.plan, strategy.cluster_profile),
+        "signature": adapter._signature(), "job": None,
+        "searcher": searcher(strategy.plan, strategy.cluster_profile),
     }  # fmt: skip
     if strategy.global_rank == adapter._search["searcher"]:
         adapter._search["job"] = SearchProcess(
@@ -99,8 +100,9 @@ def _pacing(share: float) -> dict[str, Any]:
 
 
 def finish_replan(adapter: DynamicEnvironmentAdapter, trainer: pl.Trainer, strategy: Any) -> None:
-    """The searcher's search is done: take its outcome on every rank; move if it pays and the
-    configuration it was searched for is still the one running."""
+    """The searcher's search is done: take its outcome on every rank; move if it pays, the
+    configuration it was searched for is still the one running and the links still say what
+    they said when it began (the monitor's signature)."""
     search, adapter._search = adapter._search, None
     assert search is not None
     job = search["job"]
@@ -110,6 +112,13 @@ def finish_replan(adapter: DynamicEnvironmentAdapter, trainer: pl.Trainer, strat
     replans, resplits = search["replans"], search["resplits"]
     if search["configuration"] != adapter._changes:
         why = "the split or layout changed while it searched; the links are judged afresh"
+        record_replan(adapter, trainer, replans, "dropped", why)
+        return
+    if search["signature"] != adapter._signature():
+        why = (
+            "the links changed state while it searched (a recovery, another link); a plan for "
+            "the links as they were is not moved to, and they are judged afresh"
+        )
         record_replan(adapter, trainer, replans, "dropped", why)
         return
     if not apply_replan(adapter, trainer, strategy, search, outcome) and resplits:

@@ -254,6 +254,19 @@ def test_a_search_is_dropped_when_the_configuration_changed_meanwhile() -> None:
     assert strategy.plan == _dp_plan((0, 1, 2))
 
 
+def test_a_search_is_dropped_when_the_links_changed_state_meanwhile() -> None:
+    """A search that ends after the link it was for recovered is not moved to."""
+    adapter, strategy, trainer = _profiled_adapter()
+    adapter._decide(trainer, strategy, [_replan_decision()])
+    assert adapter._search is not None and adapter._search["signature"] == adapter._signature()
+    adapter._search["signature"] = [["0->1", "degraded"]]  # it began on a degraded link ...
+    assert adapter._signature() == []  # ... which every link's state now calls normal
+    replanning.finish_replan(adapter, trainer, strategy)
+    dropped = adapter.decisions[-1]
+    assert dropped["kind"] == "replan-dropped" and "changed state" in dropped["reason"]
+    assert strategy.plan == _dp_plan((0, 1, 2))
+
+
 def test_a_failed_search_process_raises_its_error() -> None:
     job = SearchProcess({"profile": {}, "plan": {}, "gain": 0.1})
     with pytest.raises(RuntimeError, match="ValueError: devices: missing required key"):
