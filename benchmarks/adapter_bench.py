@@ -183,12 +183,22 @@ def _phases(trace: list[dict[str, Any]], end_s: float) -> list[tuple[str, float,
     return [("normal", 0.0, drop), ("degraded", drop, restore), ("recovered", restore, end_s)]
 
 
-def _rate(steps: list[dict[str, Any]], global_batch: int) -> float | None:
-    """Samples/s over consecutive steps: samples / the time they took end to end (each step
-    from the end of the one before, so that what callbacks do between steps counts)."""
-    if not steps:
-        return None
-    return global_batch * len(steps) / sum(s.get("span_s", s["wall_s"]) for s in steps)
+def _rate(
+    steps: list[dict[str, Any]],
+    records: list[dict[str, Any]],
+    begin: float,
+    end: float,
+    global_batch: int,
+) -> float | None:
+    """Samples/s of a phase: the samples of ``steps`` (those that ended in ``[begin, end)``)
+    over the time the run spent in that window, every step's span (from the end of the one
+    before, so what callbacks do between steps counts) clipped to it. A step still running when
+    the window ends (a stall, a move of blocks) counts for its part of the window; a window the
+    run spent in one such step reads 0. None: the run did not reach the window."""
+    covered = sum(
+        max(0.0, min(r["end_s"], end) - max(r["end_s"] - r["span_s"], begin)) for r in records
+    )
+    return global_batch * len(steps) / covered if covered > 0 else None
 
 
 def with_spans(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -215,10 +225,11 @@ def summarise(
         begin = max(start, skip_s) if name == "normal" else start
         steps = [r for r in records if begin <= r["end_s"] < end]
         tail = steps[settle:] if name != "normal" else steps
+        settled_from = tail[0]["end_s"] - tail[0]["span_s"] if tail else end
         out[name] = dict(
             steps=len(steps),
-            samples_per_s=_rate(steps, global_batch),
-            settled_samples_per_s=_rate(tail, global_batch),
+            samples_per_s=_rate(steps, records, begin, end, global_batch),
+            settled_samples_per_s=_rate(tail, records, settled_from, end, global_batch),
             microbatches=sorted({r["microbatches"] for r in steps}),
             last_microbatches=steps[-1]["microbatches"] if steps else None,
         )
@@ -403,6 +414,12 @@ def harness_main(argv: list[str]) -> int:
                 flush=True,
             )
             result_path.write_text(json.dumps(result, indent=1) + "\n")  # nothing lost
+    if args.report_only:  # the stored steps, summarised as this version counts them
+        for entry in result.get("modes", {}).values():
+            for stored in entry.get("runs", [entry]):
+                stored["phases"] = summarise(
+                    stored["records"], phases, args.global_batch, args.settle, args.skip_s
+                )
     result["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
     result_path.write_text(json.dumps(result, indent=1) + "\n")
     table = report(result, phases, args.results / name)
@@ -420,7 +437,11 @@ def mode_runs(result: dict[str, Any], mode: str) -> list[dict[str, Any]]:
 
 def phase_median(runs: list[dict[str, Any]], phase: str, key: str) -> float | None:
     """The median over runs of one phase figure (runs without it left out)."""
-    values = [r["phases"][phase][key] for r in runs if r.get("phases", {}).get(phase, {}).get(key)]
+    values = [
+        r["phases"][phase][key]
+        for r in runs
+        if r.get("phases", {}).get(phase, {}).get(key) is not None
+    ]
     return statistics.median(values) if values else None
 
 
@@ -461,7 +482,7 @@ def render(result: dict[str, Any]) -> str:
         return "-" if x is None else f"{x:.2f}"
 
     def ratio(a: float | None, b: float | None) -> str:
-        return "-" if not a or not b else f"{a / b:.2f}x"
+        return "-" if a is None or not b else f"{a / b:.2f}x"
 
     for name, start, end in phases:
         off, on = (phase_median(off_runs, name, "samples_per_s"),

@@ -156,6 +156,20 @@ def test_samples_per_s_count_the_time_between_steps() -> None:
     assert phases["normal"]["samples_per_s"] == pytest.approx(36 / 13)
 
 
+def test_a_stall_across_the_end_of_a_phase_counts_for_its_part() -> None:
+    """A step that ends after the phase (a 180 s move of blocks) still cost the phase its time."""
+    bench = _bench()
+    records = [
+        {"step": 1, "end_s": 10.0, "wall_s": 1.0, "microbatches": 4},
+        {"step": 2, "end_s": 11.0, "wall_s": 1.0, "microbatches": 4},
+        {"step": 3, "end_s": 191.0, "wall_s": 5.0, "microbatches": 2},  # runs past 20 s
+    ]
+    phases = [("normal", 0.0, 20.0), ("degraded", 20.0, 30.0)]
+    out = bench.summarise(records, phases, 12, settle=0, skip_s=0.0)
+    assert out["normal"]["samples_per_s"] == pytest.approx(24 / 11)  # 9-11 s, then 11-20 s
+    assert out["degraded"]["samples_per_s"] == 0.0  # spent stalled: no step ended in it
+
+
 def _arm(rate: float, mbs: int = 4) -> dict[str, Any]:
     phase = {"samples_per_s": rate, "settled_samples_per_s": rate, "microbatches": [mbs],
              "last_microbatches": mbs}  # fmt: skip
