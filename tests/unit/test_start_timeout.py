@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch.strategies.ddp as lightning_ddp
@@ -17,12 +17,6 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning_deepcee import DeepCEEStrategy
 from lightning_deepcee._compat import default_store
 from lightning_deepcee.elastic_strategy import START_TIMEOUT_S
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _strategy(timeout_s: float) -> DeepCEEStrategy:
@@ -44,14 +38,14 @@ def _no_group() -> Iterator[None]:
 
 @pytest.mark.usefixtures("_no_group")
 def test_the_group_forms_with_the_start_timeout_and_runs_with_timeout_s(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    port, formed = _free_port(), {}
+    formed = {}
 
     def init(environment: Any, backend: str, **kwargs: Any) -> None:
         formed["timeout"] = kwargs["timeout"]
         dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+            backend, init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
             timeout=kwargs["timeout"],
         )  # fmt: skip
 
