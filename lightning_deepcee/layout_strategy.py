@@ -12,6 +12,8 @@ the restarts, :class:`~lightning_deepcee.strategy.DeepCEEStrategy` setup and the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,6 +44,7 @@ from lightning_deepcee.runtime.layout import (
     make_stage_groups,
 )
 from lightning_deepcee.runtime.measure import model_fingerprint
+from lightning_deepcee.runtime.relayout import move_shards, routes
 from lightning_deepcee.runtime.stage import IDLE, TiedParameter
 from lightning_deepcee.runtime.ties import (
     TieGroup,
@@ -50,7 +53,7 @@ from lightning_deepcee.runtime.ties import (
     make_tie_groups,
     owned_state_dict,
 )
-from lightning_deepcee.runtime.transport import TransferRecord
+from lightning_deepcee.runtime.transport import TransferRecord, all_reduce_
 from lightning_deepcee.runtime.values import cat_values
 
 __all__ = ["PipelineLayoutStrategy"]
@@ -354,8 +357,11 @@ class PipelineLayoutStrategy(DDPStrategy):
         1. :meth:`check_plan` (local, so a bad plan raises on every rank before anything moves);
         2. the first device of every stage copies its stage's part of the training state to host
            memory: weights, optimizer state, LR-scheduler state and the global name of each
-           optimizer parameter, exactly a checkpoint shard; ``all_gather_object`` gives every
-           rank every shard (the ranks must pass equal plans, or all raise here);
+           optimizer parameter, exactly a checkpoint shard; each rank of the new layout receives,
+           point to point, the shards of the old stages that held its new blocks
+           (:mod:`~lightning_deepcee.runtime.relayout`: a rank that keeps its blocks receives
+           nothing over the network, an idle rank nothing at all). The ranks first agree on the
+           plan (a digest of it, gathered): unequal plans raise on every rank;
         3. the blocks ``build_stage`` replaced by ``nn.Identity`` are put back and :meth:`_build`
            builds the new layout, as setup does, loading this rank's part rebuilt from the
            shards with the checkpoint code (:func:`~lightning_deepcee.checkpoint.repartition`):
@@ -365,36 +371,42 @@ class PipelineLayoutStrategy(DDPStrategy):
 
         Gradients stay exact: nothing changes inside a step, the moved state is bit-for-bit the
         state the old owner would have used, and the next step computes the same whole-batch
-        gradient under any layout. Rank 0 logs the old and new layout.
+        gradient under any layout. Rank 0 logs the old and new layout and the bytes moved.
 
-        Cost: the whole training state (weights plus optimizer state) passes through every rank
-        once, pickled on the host, and is held at once in each rank's host memory; the gather
-        blocks every rank, so it must finish within ``timeout_s``. Sending only the blocks that
-        change owner, point to point, would move less; it is not done here.
+        Cost: the state of the blocks that change owner crosses the links from their old to their
+        new owners, pickled on the host; every rank waits until the move is done, so it must
+        finish within ``timeout_s``.
         """
         self.check_plan(plan)
         began = time.perf_counter()
         assert self.plan is not None
         before = layout_line(self.plan, self.num_microbatches)
-        shard = self._live_shard() if self._writes_shard else None
+        digest = hashlib.sha256(json.dumps(plan.to_dict(), sort_keys=True).encode()).hexdigest()
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (plan.to_dict(), self.stage_index, shard))
-        differing = [r for r, part in enumerate(gathered) if part[0] != gathered[0][0]]
+        dist.all_gather_object(gathered, digest)
+        differing = [r for r, part in enumerate(gathered) if part != gathered[0]]
         if differing:
             raise ValueError(
                 f"DeepCEEStrategy.apply_plan: ranks {differing} passed another plan than rank 0; "
                 "every rank must pass the same plan (broadcast it from rank 0). Nothing changed."
             )
-        shards: list[dict[str, Any]] = [{} for _ in range(self.num_stages)]
-        for _, stage_index, part in gathered:
-            if part is not None:
-                shards[stage_index] = part
-        num_bytes = sum(_tensor_bytes(s) for s in shards)
+        moves = routes(
+            self.ranges,
+            self.placement,
+            [st.block_range for st in plan.stages],
+            [list(st.ranks) for st in plan.stages],
+            tied_blocks=[tie.blocks for tie, _ in self._ties],
+        )
+        sends = any(m.src == self.global_rank for m in moves)
+        shard = self._live_shard() if sends else None
+        received, sent = move_shards(moves, self.global_rank, shard, self.root_device)
+        figures = torch.tensor([float(sent)], dtype=torch.float64, device=self.root_device)
+        all_reduce_(figures)
         self._restore_blocks()
-        self._build(plan, trainer, shards)
+        self._build(plan, trainer, [received[stage] for stage in sorted(received)])
         rank_zero_info(
             f"DeepCEE: re-planned at step {trainer.global_step}, moved the training state "
-            f"({num_bytes / 1e6:.2f} MB, gathered on every rank) in "
+            f"({figures.item() / 1e6:.2f} MB sent point to point) in "
             f"{time.perf_counter() - began:.2f} s:\n  before: {before}\n  after:  "
             f"{layout_line(plan, self.num_microbatches)}"
         )
@@ -500,16 +512,3 @@ class PipelineLayoutStrategy(DDPStrategy):
         return owned_state_dict(
             module.state_dict(), [tie for tie, _ in self._ties], self.ranges, self.stage_index
         )
-
-
-def _tensor_bytes(obj: Any) -> int:
-    """Bytes of all tensors in a nested collection (for the re-plan log line)."""
-    total = 0
-
-    def count(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    apply_to_collection(obj, torch.Tensor, count)
-    return total
