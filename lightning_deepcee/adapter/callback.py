@@ -137,6 +137,12 @@ class DynamicEnvironmentAdapter(Callback):
         self._deferred: list[dict[str, Any]] = []
         self._last_batch_end: float | None = None
         self._exchange_group: Any = None
+        self._clock: dict[str, list[float]] = {}
+        """Per configuration (layout and split): ``[measured s, predicted s]``, the guard's
+        median step and the cost model's prediction, taken once while its links were all as
+        profiled; their ratio puts the clock's step times on the model's scale."""
+        self._clock_candidate: list[Any] | None = None
+        """``[key, measured s, predicted s, step]``: a reference waiting to be confirmed."""
         self._floor_s: float | None = None
         """The step time predicted at setup for the plan the planner chose then, on the links
         as measured then: no plan beats it on slower links (``None``: a manual layout)."""
@@ -202,6 +208,7 @@ class DynamicEnvironmentAdapter(Callback):
         verdict = self.guard.record(landed.step, landed.slowest_s)
         if verdict is not None:
             self._on_verdict(trainer, strategy, verdict)
+        replanning.note_clock(self, strategy, landed.step)
         if landed.search_done and self._search is not None:
             replanning.finish_replan(self, trainer, strategy)
         if landed.anyone:

@@ -121,6 +121,13 @@ class ActionGuard:
         """Median step time of the last ``window`` steps measured (``None`` before any)."""
         return statistics.median(self._history) if self._history else None
 
+    @property
+    def steady_s(self) -> float | None:
+        """The baseline once it spans a whole window with no action pending, else ``None``."""
+        if self._pending is not None or len(self._history) < self.config.window:
+            return None
+        return statistics.median(self._history)
+
     def begin(self, step: int, action: Mapping[str, Any], *, towards_plan: bool) -> None:
         """``action`` was applied at the end of ``step``; judge it after ``settle + window``
         steps against the steps before it. ``towards_plan``: the action returns towards the

@@ -183,6 +183,11 @@ class LinkMonitor:
         track = self._track(link)
         return None if track is None else track.expected
 
+    @property
+    def calibrated(self) -> bool:
+        """Every watched link has its expectation (none is still calibrating)."""
+        return all(track.expected is not None for track in self._tracks.values())
+
     def signature(self) -> tuple[tuple[str, str], ...]:
         """``(name, state)`` of every link that is not normal: what the links say now."""
         return tuple(

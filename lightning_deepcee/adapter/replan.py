@@ -255,6 +255,7 @@ def choose_replan(
     *,
     gain: float,
     search: Callable[..., Plan] = plan_search,
+    current_s: float | None = None,
 ) -> ReplanChoice:
     """Search a plan on ``profile`` and say whether it is worth moving to from ``current``.
 
@@ -264,11 +265,13 @@ def choose_replan(
     and a re-calibration of the monitor, so a marginal predicted gain (within the cost model's
     error) is not worth it. ``search(profile, num_blocks=..., global_batch_size=...)`` defaults
     to :func:`~lightning_deepcee.planner.plan_search`; its ``ValueError`` (nothing fits) becomes
-    a choice not to apply.
+    a choice not to apply. ``current_s``: the running plan's step as the clock measured it, on
+    the model's scale (``replanning.clocked_step``), in place of its prediction.
     """
     if not (isinstance(gain, int | float) and not isinstance(gain, bool) and 0 <= gain < 1):
         raise ValueError(f"choose_replan: gain must be in [0, 1), got {gain!r}")
-    current_s = predict_plan(profile, current).step_time_s
+    if current_s is None:
+        current_s = predict_plan(profile, current).step_time_s
     try:
         new = search(
             profile, num_blocks=current.num_blocks, global_batch_size=current.global_batch_size

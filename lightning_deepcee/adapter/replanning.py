@@ -8,6 +8,7 @@ configuration it was searched for still runs. See docs/adapter.md.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
     from lightning_deepcee.adapter.callback import DynamicEnvironmentAdapter
 
 __all__ = [
-    "apply_replan", "finish_replan", "on_one_rank", "record_replan", "restore_replan",
-    "revert_replan", "searcher", "start_replan",
+    "apply_replan", "clocked_step", "finish_replan", "note_clock", "on_one_rank",
+    "record_replan", "restore_replan", "revert_replan", "searcher", "start_replan",
 ]  # fmt: skip
 
 
@@ -42,7 +43,17 @@ def start_replan(
     observed, changes = adapter._observed(strategy, replans)
     current = adapter._plan_at(strategy, adapter._split)
     gain = adapter.replan_gain
-    why = _hopeless(changes, predict_plan(observed, current).step_time_s, adapter._floor_s, gain)
+    predicted_s = predict_plan(observed, current).step_time_s
+    clocked = clocked_step(adapter, strategy)
+    current_s = predicted_s if clocked is None else clocked[0]
+    running = (
+        f"the running plan is predicted {predicted_s * 1e3:.1f} ms on the links as measured"
+        if clocked is None
+        else f"the running plan runs {current_s * 1e3:.1f} ms in the cost model's scale "
+        f"(measured {clocked[1] * 1e3:.1f} ms; the model predicts {predicted_s * 1e3:.1f} ms "
+        "on the links as measured)"
+    )
+    why = _hopeless(changes, current_s, adapter._floor_s, gain, running)
     if why is not None:
         record_replan(adapter, trainer, replans, "kept", why)
         if resplits:
@@ -51,13 +62,13 @@ def start_replan(
     adapter._search = {
         "step": trainer.global_step, "replans": replans, "resplits": resplits,
         "observed": observed, "changes": changes, "configuration": adapter._changes,
-        "signature": adapter._signature(), "job": None,
+        "signature": adapter._signature(), "job": None, "clocked": clocked is not None,
         "searcher": searcher(strategy.plan, strategy.cluster_profile),
     }  # fmt: skip
     if strategy.global_rank == adapter._search["searcher"]:
         adapter._search["job"] = SearchProcess(
             {"profile": observed.to_dict(), "plan": current.to_dict(), "gain": gain,
-             **_pacing(adapter.search_cpu_share)}
+             "current_s": current_s, **_pacing(adapter.search_cpu_share)}
         )  # fmt: skip
     why = (
         f"searching a plan for the links as measured, in the background on rank "
@@ -67,15 +78,20 @@ def start_replan(
 
 
 def _hopeless(
-    changes: dict[Any, tuple[float, float]], current_s: float, floor_s: float | None, gain: float
+    changes: dict[Any, tuple[float, float]],
+    current_s: float,
+    floor_s: float | None,
+    gain: float,
+    running: str,
 ) -> str | None:
     """Why no search can find a plan worth moving to, or None.
 
     The links as measured change no figure of the profile (a link that rose back to its setup
     figure, where rises are capped): the search would find the running plan again. Or the
-    running plan is predicted within the margin of ``floor_s``, the step time of the plan the
-    planner chose for the links as measured at setup: rises are capped at those figures, and a
-    slower link never makes a plan faster, so no plan on the links as they are now can beat it.
+    running plan's step ``current_s`` (described by ``running``) is within the margin of
+    ``floor_s``, the step time of the plan the planner chose for the links as measured at
+    setup: rises are capped at those figures, and a slower link never makes a plan faster, so
+    no plan on the links as they are now can beat it.
     """
     if all(abs(new - old) <= 0.01 * old for old, new in changes.values()):
         return (
@@ -84,11 +100,62 @@ def _hopeless(
         )
     if floor_s is not None and floor_s >= current_s * (1 - gain):
         return (
-            f"no plan can gain the margin {gain:.0%}: the running plan is predicted "
-            f"{current_s * 1e3:.1f} ms on the links as measured, and no plan beats the "
+            f"no plan can gain the margin {gain:.0%}: {running}, and no plan beats the "
             f"{floor_s * 1e3:.1f} ms of setup's plan on the links as measured at setup"
         )
     return None
+
+
+def note_clock(adapter: DynamicEnvironmentAdapter, strategy: Any, step: int) -> None:
+    """Take the running configuration's clock reference, once: the guard's median step over a
+    whole window and the model's prediction for it, while every link is as profiled.
+
+    The monitor flags a change only some steps after it began (its ``window`` of samples, then
+    ``react_after`` of them), so a candidate becomes the reference only once the links have
+    stayed as profiled for that long after it; a change inside its window drops it."""
+    from lightning_deepcee.planner.cost_model import predict_plan
+
+    monitor, measured = adapter.monitor, adapter.guard.steady_s
+    key = _clock_key(adapter, strategy)
+    candidate = adapter._clock_candidate
+    steady = (
+        monitor is not None
+        and monitor.calibrated
+        and not monitor.signature()
+        and measured is not None
+        and strategy.cluster_profile is not None
+    )
+    if not steady or (candidate is not None and candidate[0] != key):
+        adapter._clock_candidate = None
+        return
+    if key in adapter._clock or measured is None:
+        return
+    if candidate is None:
+        current = adapter._plan_at(strategy, adapter._split)
+        predicted = predict_plan(strategy.cluster_profile, current).step_time_s
+        adapter._clock_candidate = [key, measured, float(predicted), step]
+    elif step >= candidate[3] + adapter.config.window + adapter.config.react_after:
+        adapter._clock[key] = [float(candidate[1]), float(candidate[2])]
+        adapter._clock_candidate = None
+
+
+def clocked_step(adapter: DynamicEnvironmentAdapter, strategy: Any) -> tuple[float, float] | None:
+    """The running configuration's step now, by the clock: ``(on the model's scale, measured)``.
+
+    The guard's median over its last whole window, times predicted / measured of the
+    configuration's reference (:func:`note_clock`). The model can be wrong about how much a
+    slower link costs (overlap it assumes, a receiver's CPU quota it does not see); the clock
+    is not, and on the model's scale the figure compares with the model's predictions of other
+    plans. ``None`` without a reference or a whole window."""
+    reference = adapter._clock.get(_clock_key(adapter, strategy))
+    measured = adapter.guard.steady_s
+    if reference is None or measured is None:
+        return None
+    return measured * reference[1] / reference[0], measured
+
+
+def _clock_key(adapter: DynamicEnvironmentAdapter, strategy: Any) -> str:
+    return json.dumps([placement_key(strategy.current_plan()), adapter._split])
 
 
 def _pacing(share: float) -> dict[str, Any]:
@@ -145,7 +212,8 @@ def apply_replan(
     )
     new_s = choice.new_step_time_s
     figures_line = (
-        f"profile links {changed or 'unchanged'}; running plan predicted "
+        f"profile links {changed or 'unchanged'}; running plan "
+        f"{'measured, on the model scale,' if search.get('clocked') else 'predicted'} "
         f"{choice.current_step_time_s * 1e3:.1f} ms on them, searched plan "
         f"{'none' if new_s is None else f'{new_s * 1e3:.1f} ms'}"
     )

@@ -45,7 +45,13 @@ def run(request: Mapping[str, Any]) -> dict[str, Any]:
 
     profile = ClusterProfile.from_dict(request["profile"])
     current = Plan.from_dict(request["plan"])
-    return choose_replan(profile, current, gain=float(request["gain"])).to_dict()
+    clocked = request.get("current_s")
+    return choose_replan(
+        profile,
+        current,
+        gain=float(request["gain"]),
+        current_s=None if clocked is None else float(clocked),
+    ).to_dict()
 
 
 def pace(cores: float, period_s: float, share: float) -> None:

@@ -366,6 +366,25 @@ def test_a_real_drop_is_split_kept_while_it_pays_and_merged_at_the_restore(
     assert all(v["step"] == v["action_step"] + 8 for v in verdicts)
 
 
+def test_the_clock_reference_is_taken_only_while_the_links_are_as_profiled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The drop starts at step 12, before the monitor has calibrated (step 15) and flagged it
+    # (step 18): no reference then, though the links looked as profiled for a few steps. The
+    # split configuration runs while the link is degraded and a step or two after the restore
+    # is flagged: none for it either. After the restore the plan's own configuration gets its
+    # reference on the model's scale (the model is right in this world: measured over
+    # predicted is 1 within the noise).
+    def early(step: int) -> float:
+        return 0.25 if 12 <= step < 100 else 1.0
+
+    run = _run(monkeypatch, 200, early, replan_after=1000)
+    assert _acted(run)  # a split while degraded, a merge after
+    ((key, (measured, predicted)),) = run.adapter._clock.items()
+    assert json.loads(key)[1] == 1  # the plan's own count, not the split
+    assert measured == pytest.approx(predicted, rel=0.05)
+
+
 def test_a_proposal_during_a_verdict_waits_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
     # The activations' direction drops first, the gradients' a few steps later: the second
     # proposal arrives while the first split waits for its verdict.

@@ -473,3 +473,63 @@ def test_a_rise_capped_at_the_setup_figure_starts_no_search() -> None:
     # A drop does change the profile: that one is searched.
     adapter._decide(trainer, strategy, [_replan_decision()])
     assert adapter._search is not None
+
+
+def _clock_reference(adapter: DynamicEnvironmentAdapter, strategy: DeepCEEStrategy) -> float:
+    """Steps of 1 s while the links are as profiled: the configuration's clock reference.
+    Returns the model's prediction it pairs with."""
+    adapter._new_monitor(strategy)
+    assert adapter.monitor is not None and adapter.monitor.calibrated  # no link to calibrate
+    confirm = adapter.config.window + adapter.config.react_after
+    for step in range(adapter.guard.config.window + confirm):
+        adapter.guard.record(step, 1.0)
+        replanning.note_clock(adapter, strategy, step)
+        # A candidate is the reference once the links stayed as profiled long enough for the
+        # monitor to have flagged a change inside its window.
+        assert bool(adapter._clock) == (step >= adapter.guard.config.window - 1 + confirm)
+    ((measured, predicted),) = adapter._clock.values()
+    assert measured == 1.0
+    assert predicted == pytest.approx(predict_plan(_profile(), strategy.plan).step_time_s)
+    return predicted
+
+
+def test_the_clock_starts_a_search_the_model_alone_thinks_hopeless() -> None:
+    """The model underrates what the slower link costs; the guard's steps say the running plan
+    runs twice the model's figure, so a search starts and judges plans against that."""
+    adapter, strategy, trainer = _profiled_adapter()
+    reference = _clock_reference(adapter, strategy)
+    observed, _ = adapter._observed(strategy, [_replan_decision()])
+    running_s = predict_plan(observed, strategy.plan).step_time_s
+    adapter._floor_s = running_s * 0.95  # the model alone: within the margin of the floor
+    slower = 2 * running_s / reference  # the clock: twice the model's figure
+    for step in range(30, 30 + adapter.guard.config.window):
+        adapter.guard.record(step, slower)
+        replanning.note_clock(adapter, strategy, step)
+    assert len(adapter._clock) == 1  # one reference per configuration, taken once
+    clocked = replanning.clocked_step(adapter, strategy)
+    assert clocked == pytest.approx((2 * running_s, slower))
+    adapter._decide(trainer, strategy, [_replan_decision()])
+    search = adapter._search
+    assert search is not None and adapter.decisions[-1]["kind"] == "replan-search"
+    assert search["job"].result()["current_step_time_s"] == pytest.approx(2 * running_s)
+    adapter.on_train_end(trainer, None)  # type: ignore[arg-type]
+
+
+def test_the_clock_keeps_a_plan_whose_steps_did_not_slow() -> None:
+    """The model predicts the slower link costs more than the margin; the guard's steps did not
+    slow at all (the transfers hide behind compute): no search starts."""
+    adapter, strategy, trainer = _profiled_adapter()
+    reference = _clock_reference(adapter, strategy)
+    adapter._floor_s = reference  # setup's plan on setup's profile
+    slow = dict(_replan_decision(), new_bandwidth=2e3)
+    observed, _ = adapter._observed(strategy, [slow])
+    assert predict_plan(observed, strategy.plan).step_time_s * 0.9 > reference
+    adapter._decide(trainer, strategy, [slow])
+    kept = adapter.decisions[-1]
+    assert adapter._search is None and kept["kind"] == "replan-kept"
+    assert "in the cost model's scale (measured 1000.0 ms" in kept["reason"]
+    # Without the clock's reference the model alone starts a search.
+    adapter._clock.clear()
+    adapter._decide(trainer, strategy, [slow])
+    assert adapter._search is not None and adapter.decisions[-1]["kind"] == "replan-search"
+    adapter.on_train_end(trainer, None)  # type: ignore[arg-type]
