@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +43,8 @@ _ROW_SLACK = 1e-9
 
 _LOWERED_CACHE_SIZE = 256
 """Lowered schedules an evaluator keeps; beyond, the memo is cleared (they are cheap to redo)."""
+_STAGE_CACHE_SIZE = 100_000
+"""Stage costs and transfers an evaluator keeps; beyond, the memo is cleared."""
 
 
 def in_flight_microbatches(
@@ -109,6 +112,8 @@ class Evaluator:
         self._group_links: dict[tuple[int, ...], tuple[float, float]] = {}
         self._lowered: dict[tuple[str, int, int], RankSchedule] = {}
         self._in_flight: dict[tuple[str, int, int], tuple[int, ...]] = {}
+        self._transfers: dict[tuple[Any, ...], float] = {}
+        self._stages: dict[tuple[Any, ...], tuple[float, ...]] = {}
 
     def check_stages(self, stages: Sequence[StagePlan]) -> None:
         """Raise ``ValueError`` unless ``stages`` cover the profile's blocks with its ranks."""
@@ -203,9 +208,17 @@ class Evaluator:
         bandwidth``; a device's messages are serialised; messages between two network groups
         share their WAN link (the cost model's *Activation transfers*).
         """
-        return self._transfer(
-            sender.ranks, sender.batch_shares, receiver.ranks, receiver.batch_shares, num_bytes
-        )
+        if len(sender.ranks) == 1 and len(receiver.ranks) == 1:
+            src, dst = sender.ranks[0], receiver.ranks[0]
+            arrays = self.arrays
+            return float(arrays.latency[src, dst] + num_bytes / arrays.bandwidth[src, dst])
+        key = (sender.ranks, sender.batch_shares, receiver.ranks, receiver.batch_shares, num_bytes)
+        found = self._transfers.get(key)
+        if found is None:
+            if len(self._transfers) > _STAGE_CACHE_SIZE:
+                self._transfers.clear()
+            found = self._transfers[key] = self._transfer(*key)
+        return found
 
     def _transfer(
         self,
@@ -269,39 +282,13 @@ class Evaluator:
         arrays = self.arrays
         self.check_stages(stages)
         b = microbatch_size
-        forward: list[float] = []
-        backward_input: list[float] = []
-        backward_weight: list[float] = []
-        activation: list[float] = []
-        transient: list[float] = []
-        share: list[float] = []
-        period: list[float] = []
         last = len(stages) - 1
-        for s, stage in enumerate(stages):
-            index = np.asarray(stage.ranks)
-            rows = np.asarray(stage.batch_shares) * b  # mean rows per micro-batch
-            active = np.minimum(rows, 1.0)  # below one row: a row in that fraction of them
-            start, end = stage.block_range
-            # Executor actions per micro-batch: F with its receive and send, B with its receive
-            # and send (none across the pipeline's ends), W.
-            moves = int(s > 0) + int(s < last)
-            overhead = arrays.action_overhead[index]
-            stage_total = np.zeros(len(index))
-            for out, slope, fixed, actions in (
-                (forward, arrays.forward, arrays.forward_fixed, 1 + moves),
-                (backward_input, arrays.backward_input, arrays.backward_input_fixed, 1 + moves),
-                (backward_weight, arrays.backward_weight, arrays.backward_weight_fixed, 1),
-            ):
-                seconds = active * (fixed[index, end] - fixed[index, start] + actions * overhead)
-                seconds = seconds + rows * (slope[index, end] - slope[index, start])
-                out.append(float(seconds.max()))
-                stage_total += seconds
-            # The stage keeps the pace of its slowest device, so that device's quota applies.
-            slowest = int(index[int(np.argmax(stage_total))])
-            share.append(float(arrays.cpu_share[slowest]))
-            period.append(float(arrays.cpu_period[slowest]))
-            activation.append(arrays.saved_bytes(stage.block_range) * b)
-            transient.append(arrays.transient_bytes(stage.block_range) * b)
+        rows = [
+            self._stage_cost(stage, b, int(s > 0) + int(s < last)) for s, stage in enumerate(stages)
+        ]
+        forward, backward_input, backward_weight, share, period, activation, transient = (
+            [row[k] for row in rows] for k in range(7)
+        )
         send_forward, send_backward = [], []
         for sender, receiver in itertools.pairwise(stages):
             num_bytes = float(arrays.activation[sender.block_range[1] - 1]) * b
@@ -318,6 +305,47 @@ class Evaluator:
             cpu_share=tuple(share) if arrays.has_quota else None,
             cpu_period_s=tuple(period) if arrays.has_quota else None,
         )
+
+    def _stage_cost(self, stage: StagePlan, b: float, moves: int) -> tuple[float, ...]:
+        """One stage's ``(F, B, W, cpu share, cpu period, saved bytes, transient bytes)`` for a
+        micro-batch of ``b`` samples, with ``moves`` transfers per F and per B; memoised (a
+        search scores many layouts that share most of their stages)."""
+        key = (stage.ranks, stage.batch_shares, stage.block_range, b, moves)
+        found = self._stages.get(key)
+        if found is not None:
+            return found
+        arrays = self.arrays
+        index = np.asarray(stage.ranks)
+        rows = np.asarray(stage.batch_shares) * b  # mean rows per micro-batch
+        active = np.minimum(rows, 1.0)  # below one row: a row in that fraction of them
+        start, end = stage.block_range
+        # Executor actions per micro-batch: F with its receive and send, B with its receive and
+        # send (none across the pipeline's ends), W.
+        overhead = arrays.action_overhead[index]
+        stage_total = np.zeros(len(index))
+        times = []
+        for slope, fixed, actions in (
+            (arrays.forward, arrays.forward_fixed, 1 + moves),
+            (arrays.backward_input, arrays.backward_input_fixed, 1 + moves),
+            (arrays.backward_weight, arrays.backward_weight_fixed, 1),
+        ):
+            seconds = active * (fixed[index, end] - fixed[index, start] + actions * overhead)
+            seconds = seconds + rows * (slope[index, end] - slope[index, start])
+            times.append(float(seconds.max()))
+            stage_total += seconds
+        # The stage keeps the pace of its slowest device, so that device's quota applies.
+        slowest = int(index[int(np.argmax(stage_total))])
+        found = (
+            *times,
+            float(arrays.cpu_share[slowest]),
+            float(arrays.cpu_period[slowest]),
+            arrays.saved_bytes(stage.block_range) * b,
+            arrays.transient_bytes(stage.block_range) * b,
+        )
+        if len(self._stages) > _STAGE_CACHE_SIZE:
+            self._stages.clear()
+        self._stages[key] = found
+        return found
 
     def _lowered_schedule(self, schedule: str, p: int, m: int) -> RankSchedule:
         """Generated, lowered (one simulated rank per stage) and validated; memoised."""
@@ -341,7 +369,7 @@ class Evaluator:
         else:  # a cost-fitted schedule (compact): not memoised
             ranked = lower(stage_schedule, placement)
             validate(ranked, placement, m)
-        result = simulate(ranked, placement, costs, num_microbatches=m)
+        result = simulate(ranked, placement, costs, num_microbatches=m, events=False)
         return result.step_time_s, result.bubble_ratio, result.peak_memory_bytes
 
     def predict(

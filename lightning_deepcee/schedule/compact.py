@@ -116,7 +116,11 @@ def simulated_step_time(schedule: StageSchedule, costs: StageCosts, num_microbat
     """Step time of ``schedule`` with one stage per rank (identity placement), by ``simulate``."""
     placement = {s: s for s in range(costs.num_stages)}
     result = simulate(
-        lower(schedule, placement), placement, costs, num_microbatches=num_microbatches
+        lower(schedule, placement),
+        placement,
+        costs,
+        num_microbatches=num_microbatches,
+        events=False,
     )
     return result.step_time_s
 

@@ -259,8 +259,12 @@ class _Simulator:
         stage_to_rank: Mapping[int, int],
         costs: StageCosts,
         scale: Sequence[float],
+        record: bool = True,
     ) -> None:
         self.schedule = schedule
+        self.record = record
+        self.last_end = 0.0
+        """The latest end of any action or transfer (the step's end, with the clocks)."""
         self.stage_to_rank = stage_to_rank
         self.costs = costs
         self.scale = scale
@@ -305,19 +309,26 @@ class _Simulator:
             end = start + hop * self.scale[mb]
             self.link_free[(rank, peer)] = end
             self.arrival[(a.kind, s, mb)] = end
-            self.events.append(SimEvent(rank, a, start, end, peer))
+            self.last_end = max(self.last_end, end)
+            if self.record:
+                self.events.append(SimEvent(rank, a, start, end, peer))
         else:
-            seconds = {
-                K.F: c.forward_s[s],
-                K.B: c.backward_input_s[s],
-                K.W: c.backward_weight_s[s],
-                K.BW: c.backward_input_s[s] + c.backward_weight_s[s],
-            }[a.kind] * self.scale[mb]
+            if a.kind == K.F:
+                seconds = c.forward_s[s]
+            elif a.kind == K.B:
+                seconds = c.backward_input_s[s]
+            elif a.kind == K.W:
+                seconds = c.backward_weight_s[s]
+            else:  # K.BW
+                seconds = c.backward_input_s[s] + c.backward_weight_s[s]
+            seconds *= self.scale[mb]
             start = self.clock[rank]
             end = self._compute_end(rank, s, start, seconds)
             self.clock[rank] = end
             self.busy[rank] += end - start
-            self.events.append(SimEvent(rank, a, start, end))
+            self.last_end = max(self.last_end, end)
+            if self.record:
+                self.events.append(SimEvent(rank, a, start, end))
         return True
 
     def _compute_end(self, rank: int, stage: int, start: float, seconds: float) -> float:
@@ -442,8 +453,11 @@ def simulate(
     costs: StageCosts,
     *,
     num_microbatches: int,
+    events: bool = True,
 ) -> SimulationResult:
     """Simulate one step of a lowered schedule (the output of :func:`lower`).
+
+    ``events=False`` leaves the result's ``events`` empty (a search needs only the figures).
 
     Raises:
         ValueError: ``costs`` or ``stage_to_rank`` do not fit the schedule.
@@ -452,9 +466,9 @@ def simulate(
     """
     _check_inputs(schedule, stage_to_rank, costs, num_microbatches)
     scale = costs.microbatch_scale or (1.0,) * num_microbatches
-    sim = _Simulator(schedule, stage_to_rank, costs, scale)
+    sim = _Simulator(schedule, stage_to_rank, costs, scale, record=events)
     sim.run()
-    step = max([*sim.clock.values(), *(ev.end_s for ev in sim.events)], default=0.0)
+    step = max([*sim.clock.values(), sim.last_end], default=0.0)
     total_busy = sum(sim.busy.values())
     capacity = len(schedule) * step
     return SimulationResult(

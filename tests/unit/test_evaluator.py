@@ -107,6 +107,36 @@ def test_memos_belong_to_one_evaluator() -> None:
     assert slow.predict(STAGES, "zb-h1", 4, 16) == a
 
 
+def _stage(blocks: tuple[int, int], ranks: tuple[int, ...], shares: tuple[float, ...]) -> StagePlan:
+    return StagePlan(block_range=blocks, ranks=ranks, batch_shares=shares)
+
+
+def test_memoised_stages_and_transfers_give_the_figures_computed_afresh() -> None:
+    """Stage costs and transfers are memoised per evaluator; a one-device pair takes a short
+    path. Every figure equals the general computation on a fresh evaluator."""
+    profile = _profile(1e7, num_devices=4, num_blocks=6)
+    warm = Evaluator(profile)
+    layouts = [
+        (_stage((0, 2), (0,), (1.0,)), _stage((2, 6), (1, 3), (0.4, 0.6))),
+        (_stage((0, 3), (0, 2), (0.5, 0.5)), _stage((3, 6), (1,), (1.0,))),
+        (
+            _stage((0, 2), (0,), (1.0,)),
+            _stage((2, 4), (2,), (1.0,)),
+            _stage((4, 6), (1, 3), (0.4, 0.6)),
+        ),
+    ]
+    for _ in range(2):  # the second pass reads the memos
+        for stages in layouts:
+            cold = Evaluator(profile)
+            assert warm.stage_costs(stages, microbatch_size=4) == cold.stage_costs(
+                stages, microbatch_size=4
+            )
+            assert warm.predict(stages, "zb-h1", 4, 16) == cold.predict(stages, "zb-h1", 4, 16)
+    one, other = _stage((0, 2), (0,), (1.0,)), _stage((2, 6), (2,), (1.0,))
+    general = Evaluator(profile)._transfer((0,), (1.0,), (2,), (1.0,), 1e5)
+    assert warm.transfer_time_s(one, other, 1e5) == general
+
+
 def test_evaluator_rejects_what_predict_rejects() -> None:
     evaluator = Evaluator(_profile(1e7))
     with pytest.raises(ValueError, match="last stage ends at block 2"):

@@ -443,3 +443,17 @@ def test_plot_timeline_writes_png(tmp_path: Path) -> None:
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n")
     assert len(data) > 1000
+
+
+@settings(max_examples=30, deadline=None)
+@given(_problems())
+def test_without_events_the_figures_are_the_same(problem: tuple[int, int, StageCosts]) -> None:
+    """A search asks for no events; step time, busy time, bubble and memory do not change."""
+    p, m, costs = problem
+    placement = {s: s for s in range(p)}
+    for kind in sorted(SCHEDULE_KINDS):
+        ranked = lower(generate(kind, p, m), placement)
+        full = simulate(ranked, placement, costs, num_microbatches=m)
+        bare = simulate(ranked, placement, costs, num_microbatches=m, events=False)
+        assert bare.events == () and full.events
+        assert dataclasses.replace(full, events=()) == bare, kind
