@@ -62,7 +62,7 @@ class DynamicEnvironmentAdapter(Callback):
         split_gain: the least predicted gain (a fraction of the step time) for which the split
             changes, in ``[0, 1)``.
         replan_gain: the least predicted gain for which a re-plan moves blocks, in ``[0, 1)``;
-            moving blocks costs a gather of the whole training state.
+            moving blocks sends the state of the blocks that change owner.
         confirm_window: steps measured before and after an action.
         confirm_settle: steps left out after an action before its window.
         confirm_gain: the least measured gain for which an action away from the plan is kept

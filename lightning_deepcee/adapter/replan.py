@@ -261,9 +261,9 @@ def choose_replan(
 
     ``current`` (the running plan) is re-predicted on ``profile`` with the same cost model the
     search uses, so both figures are on one scale. The new plan is applied only if
-    ``new < current * (1 - gain)``: moving blocks costs a gather of the whole training state
-    and a re-calibration of the monitor, so a marginal predicted gain (within the cost model's
-    error) is not worth it. ``search(profile, num_blocks=..., global_batch_size=...)`` defaults
+    ``new < current * (1 - gain)``: a move sends the state of the blocks that change owner and
+    re-calibrates the monitor, so a marginal predicted gain (within the cost model's error) is
+    not worth it. ``search(profile, num_blocks=..., global_batch_size=...)`` defaults
     to :func:`~lightning_deepcee.planner.plan_search`; its ``ValueError`` (nothing fits) becomes
     a choice not to apply. ``current_s``: the running plan's step as the clock measured it, on
     the model's scale (``replanning.clocked_step``), in place of its prediction.
