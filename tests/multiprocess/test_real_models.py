@@ -114,9 +114,15 @@ def _key_bias_apart(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _assert_gpt2_equal(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    """Equal to rounding. AdamW (lr 1e-2) divides each gradient by its own running scale, so an
+    element whose gradient is nearly 0 moves by a rounding-sized share of lr: with transformers
+    5.x one weight of 4096 differs by 1.4e-5 after 4 steps. A wrong gradient moves many
+    elements by about lr, far above the 5e-5 allowed."""
     got, ref = _key_bias_apart(got), _key_bias_apart(ref)
     keys = {k for k in ref if k.endswith("[key]")}
-    _assert_equal({k: got[k] for k in got.keys() - keys}, {k: ref[k] for k in ref.keys() - keys})
+    _assert_equal(
+        {k: got[k] for k in got.keys() - keys}, {k: ref[k] for k in ref.keys() - keys}, atol=5e-5
+    )
     _assert_equal({k: got[k] for k in keys}, {k: ref[k] for k in keys}, atol=1e-4)
 
 
