@@ -217,6 +217,7 @@ def _lightning_worker(args: argparse.Namespace) -> None:
                         extra["plan"] = st.plan.to_dict()
                     if st.cluster_profile is not None:
                         extra["profile"] = st.cluster_profile.to_dict()
+                    extra["setup_s"] = st.setup_seconds  # rank 0's set-up, part by part
                     # Median seconds per step by action kind on every rank (after warm-up):
                     # where the measured step goes, against the cost model's per-stage costs.
                     extra["rank_stats"] = rank_stats
@@ -633,6 +634,7 @@ def render(result: dict[str, Any]) -> str:
     ]
     errors: list[str] = []
     notes: list[str] = []
+    setups: list[str] = []
     for s in order:
         runs = systems[s]["runs"]
         st = _stats(runs)
@@ -650,6 +652,8 @@ def render(result: dict[str, Any]) -> str:
                     f"| {(predicted - measured) / measured:+.0%} | {median * 1e3:.0f} "
                     f"| {(predicted - median) / median:+.0%} | {max(window) * 1e3:.0f} |"
                 )
+            if r.get("setup_s"):
+                setups.append(_setup_row(s, r))
             if r.get("global_batch", cfg["global_batch"]) != cfg["global_batch"]:
                 note = (
                     f"`{s}` runs global batch {r['global_batch']}, the multiple of its "
@@ -688,7 +692,28 @@ def render(result: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|---|",
             *errors,
         ]
+    if setups:
+        lines += [
+            "",
+            "Set-up on rank 0 before the first step (`DeepCEE: set-up` line), in seconds: "
+            "profiling (the slowest device's block timings, then the links), planning, building.",
+            "",
+            "| system | run | set-up | profile | blocks | network | plan | build |",
+            "|---|---|---|---|---|---|---|---|",
+            *setups,
+        ]
     return "\n".join(lines) + "\n"
+
+
+def _setup_row(system: str, run: dict[str, Any]) -> str:
+    parts = run["setup_s"]
+    total = sum(v for k, v in parts.items() if k in ("profile", "plan", "build"))
+    cells = [f"{parts[k]:.1f}" if k in parts else "" for k in SETUP_PARTS]
+    return f"| {system} | {run.get('run', '?')} | {total:.1f} | " + " | ".join(cells) + " |"
+
+
+SETUP_PARTS = ("profile", "profile_blocks", "profile_network", "plan", "build")
+"""Keys of a run's ``setup_s`` (``DeepCEEStrategy.setup_seconds``), in the table's order."""
 
 
 def report(result: dict[str, Any], results_dir: Path, name: str) -> str:

@@ -34,19 +34,17 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from typing_extensions import override
 
-from lightning_deepcee._compat import fit_dataloader
 from lightning_deepcee._gc import GcFreeze
 from lightning_deepcee.console import (
     SetupTimer,
-    format_cluster,
     print_everywhere,
     summarise_whole_model,
-    warn_once_per_job,
     warn_unrun_steps,
 )
 from lightning_deepcee.elastic_strategy import ElasticStrategy
 from lightning_deepcee.planner import Plan, plan_search
-from lightning_deepcee.profiler import ClusterProfile, DeviceGroups, group_devices
+from lightning_deepcee.profiler import ClusterProfile, DeviceGroups
+from lightning_deepcee.profiling import profile_at_setup
 from lightning_deepcee.runtime import (
     PipelineExecutor,
     PipelineSpec,
@@ -71,12 +69,7 @@ from lightning_deepcee.runtime.liveness import (
     is_communication_failure,
     report_failure,
 )
-from lightning_deepcee.runtime.measure import (
-    device_identity,
-    model_fingerprint,
-    profile_cluster,
-    profile_or_load,
-)
+from lightning_deepcee.runtime.measure import device_identity, model_fingerprint
 from lightning_deepcee.runtime.stage import tied_parameters
 from lightning_deepcee.runtime.ties import sync_copies
 from lightning_deepcee.runtime.transport import all_reduce_
@@ -125,6 +118,9 @@ class DeepCEEStrategy(ElasticStrategy):
         profile_rounds: the block timings are measured this many times in a row and every
             figure taken at its median (a single reading under a CPU quota is noisy); 1
             measures once, for a quicker setup.
+        profile_block_budget_s: about how long each device may spend timing its blocks: a
+            slow device takes fewer rounds and repeats (at least one round of two). ``None``:
+            always ``profile_rounds`` full rounds, however long they take.
         device_cache: a directory where each device keeps its block timings, reused while the
             model, micro-batch and CPU quota are unchanged; ``"auto"``: one per torchrun elastic
             job (a restart measures only new devices), none otherwise; ``None``: never reuse.
@@ -163,6 +159,7 @@ class DeepCEEStrategy(ElasticStrategy):
         profile_cache: str | None = None,
         profile_budget_s: float = 60.0,
         profile_rounds: int = 3,
+        profile_block_budget_s: float | None = 20.0,
         device_cache: str | None = "auto",
         timeout_s: float = 60.0,
         verbose: bool = True,
@@ -188,7 +185,11 @@ class DeepCEEStrategy(ElasticStrategy):
         self._manual = ManualLayout.from_arguments(
             partition, schedule, num_microbatches, num_stages, placement
         )
-        for name, value in (("timeout_s", timeout_s), ("profile_budget_s", profile_budget_s)):
+        for name, value in (
+            ("timeout_s", timeout_s),
+            ("profile_budget_s", profile_budget_s),
+            ("profile_block_budget_s", profile_block_budget_s or 1.0),
+        ):
             if value <= 0:
                 raise ValueError(f"DeepCEEStrategy({name}={value}) must be > 0.")
         rounds = profile_rounds
@@ -207,9 +208,14 @@ class DeepCEEStrategy(ElasticStrategy):
         """Micro-batches per step now: the plan's, until the adapter re-splits."""
         self.profile = profile or profile_cache is not None or self.plan_arg == "auto"
         self.profile_cache = profile_cache
-        self.profile_budget_s = profile_budget_s
+        self.profile_budget_s, self.profile_block_budget_s = (
+            profile_budget_s,
+            profile_block_budget_s,
+        )
         self.profile_rounds, self.device_cache = profile_rounds, device_cache
         self.cluster_profile: ClusterProfile | None = None
+        self.setup_seconds: dict[str, float] = {}
+        """The last fit's set-up in seconds, part by part (``SetupTimer.flat``)."""
         self.device_groups: DeviceGroups | None = None
         self.verbose = verbose
         self.receive_ahead = receive_ahead
@@ -298,13 +304,14 @@ class DeepCEEStrategy(ElasticStrategy):
         if self.profile and fitting:
             with timer("profile"):  # blocks are timed where they will run: on root_device
                 self.model_to_device()
-                self._profile_cluster(trainer)
+                timer.detail["profile"] = profile_at_setup(self, trainer)
         with timer("plan"):
             plan = self._initial_plan(len(spec.blocks), fitting)
         with timer("build"):
             self._build(plan, trainer)
         if fitting:
             timer.report(trainer)
+            self.setup_seconds = timer.flat()
         summarise_whole_model(trainer, self.whole_model)
         assert self.plan is not None
         batch_warning = batch_statistics_warning(
@@ -323,39 +330,6 @@ class DeepCEEStrategy(ElasticStrategy):
             message=r"It is recommended to use `self\.log\('(train|val|test)_",
             category=PossibleUserWarning,
         )
-
-    def _profile_cluster(self, trainer: pl.Trainer) -> None:
-        """Measure devices and links on the first training micro-batch (all ranks)."""
-        assert self.spec is not None
-        batch = self.batch_to_device(next(iter(fit_dataloader(trainer))))
-        self._global_batch_size = batch_size_of(batch)
-        micro = split_batch(batch, split_sizes(batch_size_of(batch), self.num_microbatches))[0]
-        options: dict[str, Any] = dict(
-            loss_fn=self.spec.loss_fn,
-            sample_batch=micro,
-            device=self.root_device,
-            budget_s=self.profile_budget_s,
-            rounds=self.profile_rounds,
-            device_cache=self.device_cache_dir(),
-        )
-        blocks, sample = list(self.spec.blocks), self.spec.input_fn(micro)
-        began = time.perf_counter()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if self.profile_cache is not None:
-                profile = profile_or_load(self.profile_cache, blocks, sample, **options)
-            else:
-                profile = profile_cluster(blocks, sample, **options)
-        seconds = time.perf_counter() - began
-        warn_once_per_job([str(w.message) for w in caught], self.world_size)
-        self.cluster_profile = profile
-        self.device_groups = group_devices(profile)
-        rank_zero_info(format_cluster(profile, self.device_groups))
-        rank_zero_info(f"DeepCEE: profiled {profile.num_devices} devices in {seconds:.1f} s")
-        metrics = {f"deepcee/capability_rank{d.rank}": d.capability for d in profile.devices}
-        metrics["deepcee/profile_s"] = seconds
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=0)
 
     def _initial_plan(self, num_blocks: int, fitting: bool) -> Plan:
         """The layout setup builds: a saved plan, the search's plan, or the manual layout's.

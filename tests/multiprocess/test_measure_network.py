@@ -90,11 +90,11 @@ def test_measure_network_and_profile_cluster(
                 assert 0 < latency[i][j] < 1
                 assert math.isfinite(bandwidth[i][j]) and bandwidth[i][j] > 10e6  # loopback
     # The probe rounds, then the measured ones: the same rounds for pairs inside a network group
-    # (loopback is normally one), one round per pair across groups (the probes of processes on
-    # two busy cores can differ enough to split them).
+    # (loopback is normally one), one round per measured pair across groups (the probes of
+    # processes on two busy cores can differ enough to split them).
     probe = world if world % 2 else world - 1
     pairs = world * (world - 1) // 2
-    assert all(2 * probe <= r["num_rounds"] <= probe + pairs for r in results)
+    assert all(probe < r["num_rounds"] <= probe + pairs for r in results)
     assert all(r["network_wall_s"] < 30 for r in results)
     print(f"measure_network defaults, {world} ranks: {results[0]['network_wall_s']:.3f} s")
 

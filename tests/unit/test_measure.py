@@ -18,7 +18,7 @@ from lightning_deepcee.runtime.measure import (
     model_fingerprint,
     round_robin_rounds,
 )
-from lightning_deepcee.runtime.measure.blocks import _median_timings
+from lightning_deepcee.runtime.measure.blocks import _median_timings, fit_passes
 from lightning_deepcee.runtime.measure.cluster import _device_profile
 
 
@@ -461,3 +461,73 @@ def test_a_block_value_that_is_not_tensors_names_the_block() -> None:
         measure_blocks([nn.Identity()], (sample, object()))
     with pytest.raises(ValueError, match="sample_input: expected a tensor"):
         measure_blocks([nn.Identity()], {"n": 3})
+
+
+@pytest.mark.parametrize(
+    ("budget_s", "pass_s", "expected"),
+    [
+        (100.0, 0.1, (3, 5, 2)),  # 1000 passes allowed: everything asked for
+        (30.0, 1.0, (2, 5, 2)),  # 30 passes: a round costs 12.5, two fit, three do not
+        (14.0, 1.0, (1, 5, 2)),
+        (10.0, 1.0, (1, 4, 0)),  # one round: (10 - 3) / 1.5 = 4 passes, all timed
+        (8.0, 1.0, (1, 3, 0)),
+        (1.0, 1.0, (1, 2, 0)),  # never below one round of two repeats
+    ],
+)
+def test_fit_passes_cuts_rounds_then_repeats(
+    budget_s: float, pass_s: float, expected: tuple[int, int, int]
+) -> None:
+    assert fit_passes(budget_s, pass_s, 3, 5, 2) == expected
+
+
+def test_fit_passes_fits_the_budget_whenever_one_round_of_two_can() -> None:
+    for budget_s, pass_s in itertools.product((1.0, 5.0, 12.0, 40.0, 200.0), (0.05, 0.5, 2.0)):
+        rounds, repeats, warmup = fit_passes(budget_s, pass_s, 3, 5, 2)
+        passes = rounds * ((warmup + repeats) * 1.5 + 2) + 1
+        if budget_s / pass_s >= 3 * 1.5 + 3:
+            assert passes * pass_s <= budget_s + 1e-9
+        assert 1 <= rounds <= 3 and 2 <= repeats <= 5 and 0 <= warmup <= 2
+
+
+def test_a_budget_cuts_the_passes_of_a_slow_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_deepcee.runtime.measure.blocks as blocks_module
+    import lightning_deepcee.runtime.measure.passes as passes_module
+
+    calls = [0]
+    real = passes_module.time_pass
+
+    def counted(*args: Any) -> Any:
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(blocks_module, "time_pass", counted)
+    monkeypatch.setattr(passes_module, "time_pass", counted)
+    blocks: list[nn.Module] = [_Sleepy(0.05), _Sleepy(0.05)]  # a pass takes >= 100 ms
+    before = _snapshot(blocks)
+    full = measure_blocks(blocks, torch.randn(16, 8), rounds=1, sustain_s=0.0)
+    unbounded = calls[0]
+    calls[0] = 0
+    cut = measure_blocks(blocks, torch.randn(16, 8), rounds=3, sustain_s=0.0, budget_s=0.3)
+    # The probe, then one round of two repeats (no warmup) at two sizes.
+    assert calls[0] == 1 + 2 * 2 < unbounded
+    assert cut.num_blocks == full.num_blocks and len(cut.fixed_s) == 2
+    for mine, reference in zip(cut.forward_s, full.forward_s, strict=True):
+        assert 0.5 * reference < mine < 2 * reference
+    _assert_untouched(blocks, before)
+    with pytest.raises(ValueError, match="budget_s"):
+        measure_blocks(blocks, torch.randn(16, 8), budget_s=0.0)
+
+
+def test_passes_start_at_random_phases_under_a_quota(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_deepcee.runtime.measure.passes as passes_module
+    from lightning_deepcee.runtime.measure.passes import block_fastest, block_inputs
+
+    slept: list[float] = []
+    monkeypatch.setattr(passes_module.time, "sleep", slept.append)
+    blocks = _mlp()
+    inputs = block_inputs(blocks, torch.randn(6, 8))
+    block_fastest(blocks, inputs, None, None, repeats=3, warmup=1, jitter_s=0.1)
+    assert len(slept) == 4 and all(0 <= s <= 0.1 for s in slept) and len(set(slept)) == 4
+    slept.clear()
+    block_fastest(blocks, inputs, None, None, repeats=3, warmup=1)
+    assert slept == []

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_deepcee.runtime.cpu_quota import read_cpu_quota
+from lightning_deepcee.runtime.measure.alike import alike_classes, pool_alike
 from lightning_deepcee.runtime.measure.passes import (
     LossFn,
     RestoredState,
@@ -43,7 +45,11 @@ from lightning_deepcee.runtime.values import (
     value_rows,
 )
 
-__all__ = ["BlockTimings", "measure_blocks"]
+__all__ = ["BlockTimings", "fit_passes", "measure_blocks"]
+
+_SMALL_PASS_SHARE = 0.5
+"""A pass at a quarter of the micro-batch costs about half a full pass (per-call costs do not
+shrink with the rows): what :func:`fit_passes` charges for the second size's passes."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,6 +109,7 @@ def measure_blocks(
     warmup: int = 2,
     sustain_s: float = 0.5,
     rounds: int = 1,
+    budget_s: float | None = None,
 ) -> BlockTimings:
     """Time forward, ``B`` and ``W`` of each block on one micro-batch, on its tensors' device.
 
@@ -120,6 +127,10 @@ def measure_blocks(
     always block 0 (the data, token ids or features, never needs a gradient; the executor runs
     the first stage's backward whole) and any block fed no floating-point tensor. ``B`` is the
     gradient of every floating-point input tensor (a bool mask passed along needs none).
+
+    Blocks that do the same work (:func:`~lightning_deepcee.runtime.measure.alike.alike_classes`:
+    same modules, parameter shapes and value shapes; three at least, not block 0, not the last
+    block with the loss) get their class's median F, B and W (a transformer's layers).
 
     Two more figures make the times predict a training step rather than a micro-benchmark:
 
@@ -153,6 +164,11 @@ def measure_blocks(
     much of its CPU quota a device got over a few seconds, which varies from one round to the
     next; the search would then favour whichever plan a low reading makes look fast.
 
+    **Budget.** With ``budget_s``, one untimed pass first measures how long a pass takes, and
+    :func:`fit_passes` cuts ``rounds``, then ``repeats`` and ``warmup`` (never below one round of
+    two repeats) so that the whole measurement takes about ``budget_s``: a device at a tenth of a
+    core would otherwise spend minutes here while every other device waits for it.
+
     Side-effect free: parameters are not updated, each parameter's ``.grad`` is restored (to
     ``None`` if it was unset), buffers (BatchNorm statistics) are restored and the global RNG
     state (dropout) is forked. Modules stay in their current train/eval mode.
@@ -161,6 +177,13 @@ def measure_blocks(
     _check_measure_arguments(blocks, sample_input, loss_fn, sample_batch, repeats, warmup)
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds: expected a positive integer, got {rounds!r}")
+    if budget_s is not None:
+        if not (isinstance(budget_s, (int, float)) and budget_s > 0 and math.isfinite(budget_s)):
+            raise ValueError(
+                f"budget_s: expected None or positive finite seconds, got {budget_s!r}"
+            )
+        pass_s = _probe_pass(blocks, sample_input, loss_fn, sample_batch)
+        rounds, repeats, warmup = fit_passes(budget_s, pass_s, rounds, repeats, warmup)
     measured: list[BlockTimings] = []
     for _ in range(rounds):
         # Bytes do not change from round to round: the first round measures them for all.
@@ -171,6 +194,45 @@ def measure_blocks(
             )
         )
     return _median_timings(measured)
+
+
+def fit_passes(
+    budget_s: float, pass_s: float, rounds: int, repeats: int, warmup: int
+) -> tuple[int, int, int]:
+    """``(rounds, repeats, warmup)`` for :func:`measure_blocks` that fit ``budget_s`` seconds when
+    one pass over all blocks takes ``pass_s``; at most the given figures, at least one round of
+    two timed repeats and no warmup (the probe pass warmed up).
+
+    A round costs ``(warmup + repeats) * 1.5 + 2`` passes (the timed passes at both sizes, two
+    sustained passes) and the first one a pass more (memory). Rounds go first: their median
+    steadies the sustained speed, which matters less than each block's fastest time.
+    """
+    allowed = budget_s / max(pass_s, 1e-9)
+
+    def cost(num_rounds: int, num_repeats: int, num_warmup: int) -> float:
+        per_round = (num_warmup + num_repeats) * (1 + _SMALL_PASS_SHARE) + 2
+        return num_rounds * per_round + 1
+
+    for num_rounds in range(rounds, 0, -1):
+        if cost(num_rounds, repeats, warmup) <= allowed:
+            return num_rounds, repeats, warmup
+    passes = max(0, math.floor((allowed - 3) / (1 + _SMALL_PASS_SHARE)))
+    num_repeats = min(repeats, max(2, passes))
+    return 1, num_repeats, min(warmup, max(0, passes - num_repeats))
+
+
+def _probe_pass(
+    blocks: list[nn.Module], sample_input: Any, loss_fn: LossFn | None, sample_batch: Any
+) -> float:
+    """Wall seconds of one untimed pass over all blocks (and its inputs' forward), side-effect
+    free like the measurement itself."""
+    device = tensor_leaves(sample_input)[0].device
+    rng_devices = [device.index or 0] if device.type == "cuda" else []
+    with RestoredState(blocks), torch.random.fork_rng(devices=rng_devices):
+        inputs = block_inputs(blocks, sample_input)
+        start = time.perf_counter()
+        time_pass(blocks, inputs, loss_fn, sample_batch)
+        return time.perf_counter() - start
 
 
 def _median_timings(rounds: Sequence[BlockTimings]) -> BlockTimings:
@@ -221,7 +283,10 @@ def _measure_round(
     size = value_rows(sample_input, "sample_input")
     with RestoredState(blocks), torch.random.fork_rng(devices=rng_devices):
         inputs = block_inputs(blocks, sample_input)
-        fastest = block_fastest(blocks, inputs, loss_fn, sample_batch, repeats, warmup)
+        jitter = _quota_period_s(device)
+        classes = alike_classes(blocks, inputs, last_has_loss=loss_fn is not None)
+        fastest = block_fastest(blocks, inputs, loss_fn, sample_batch, repeats, warmup, jitter)
+        fastest = pool_alike(fastest, classes)
         small = max(2, size // 4)
         small_fastest = None
         if small < size:
@@ -229,8 +294,11 @@ def _measure_round(
             # The blocks' inputs only: the last output is not an input, and may hold a scalar.
             small_inputs = [slice_value(value, 0, small) for value in inputs[:-1]]
             try:
-                small_fastest = block_fastest(
-                    blocks, small_inputs, loss_fn, small_batch, repeats, warmup
+                small_fastest = pool_alike(
+                    block_fastest(
+                        blocks, small_inputs, loss_fn, small_batch, repeats, warmup, jitter
+                    ),
+                    classes,
                 )
             except (RuntimeError, ValueError) as exc:  # a model that only takes its batch size
                 warnings.warn(
@@ -266,6 +334,15 @@ def _measure_round(
         optimizer_s_per_byte=optimizer * factor,
         sustained_factor=factor,
     )
+
+
+def _quota_period_s(device: torch.device) -> float:
+    """The CFS period of this process's CPU quota when the blocks run on the CPU, else 0: how
+    much :func:`block_fastest` shifts each pass's start."""
+    if device.type != "cpu":
+        return 0.0
+    quota = read_cpu_quota()
+    return 0.0 if quota is None else quota.period_s
 
 
 def _memory(

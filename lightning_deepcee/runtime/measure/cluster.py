@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import socket
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,8 @@ def profile_cluster(
     op_timeout_s: float | None = None,
     rounds: int = 3,
     device_cache: str | os.PathLike[str] | None = None,
+    block_budget_s: float | None = None,
+    parts: dict[str, float] | None = None,
 ) -> ClusterProfile:
     """Measure every rank's blocks and every link; every rank returns the same profile.
 
@@ -139,12 +142,16 @@ def profile_cluster(
     ``$DEEPCEE_DEVICE_KIND`` (default: the torch device type). With ``device_cache`` (a
     directory on each device), a device reuses its own block timings from an earlier profile of
     the same model, micro-batch and CPU quota (an elastic restart measures only the devices that
-    are new); the links are measured every time.
+    are new); the links are measured every time. ``block_budget_s`` bounds each device's block
+    timings (:func:`measure_blocks`' ``budget_s``: a slow device takes fewer rounds and repeats).
+    ``parts``, when given, receives the wall seconds of the slowest device's block timings
+    (``"blocks"``) and of the network measurement (``"network"``), the same on every rank.
     """
     device = _device_of(blocks, device)
     hosts, model_fp = device_identities(blocks, group)
     moved = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, sample_input)
     cached = _cache_file(device_cache, model_fp, moved, device)
+    began = time.perf_counter()
     timings = _load_timings(cached)
     if timings is None:
         timings = measure_blocks(
@@ -155,14 +162,17 @@ def profile_cluster(
             repeats=repeats,
             warmup=warmup,
             rounds=rounds,
+            budget_s=block_budget_s,
         )
         _store_timings(cached, timings)
+    blocks_s = time.perf_counter() - began
     _wait_for_slowest_rank(group, "blocks")
     local = {
         "kind": os.environ.get(DEVICE_KIND_ENV, "").strip() or device.type,
         "memory_bytes": available_memory_bytes(device),
         "timings": timings,
         "cpu_quota": _cpu_quota(device),
+        "blocks_s": blocks_s,
     }
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, local, group=group)
@@ -177,6 +187,9 @@ def profile_cluster(
         hosts=hosts,
     )
     devices = [_device_profile(rank, hosts[rank], record) for rank, record in enumerate(gathered)]
+    if parts is not None:
+        parts["blocks"] = max(float(record.get("blocks_s", 0.0)) for record in gathered)
+        parts["network"] = network.elapsed_s
     return ClusterProfile(
         devices=tuple(devices),
         latency_s=network.latency_s,

@@ -5,7 +5,9 @@ measuring all pairs at once makes every rank's NIC carry ``N-1`` streams, so eac
 ``N-1`` times slower than it is. A round-robin tournament (the circle method) splits the pairs
 into ``N-1`` rounds (``N`` for odd ``N``, one rank idle per round) in which every rank talks to
 at most one peer, so each measurement sees an otherwise quiet link and the whole matrix costs
-about ``N`` pair measurements of wall time.
+about ``N`` pair measurements of wall time. Pairs across network groups are the exception: they
+may share a WAN link, so they run one at a time, and only a few per pair of groups (the others
+take their figures, :func:`representative_pairs`).
 
 Each direction of a pair is measured on its own, so asymmetric links (a slow uplink) show: the
 initiator sends a ``small_bytes`` ping and gets a ``small_bytes`` pong (latency = round trip / 2),
@@ -54,6 +56,7 @@ __all__ = [
     "NetworkMeasurement",
     "ProfilingTimeoutError",
     "measure_network",
+    "representative_pairs",
     "round_robin_rounds",
 ]
 
@@ -85,8 +88,8 @@ class NetworkMeasurement:
     """Bytes per second from ``src`` to ``dst``; ``inf`` on the diagonal."""
     num_rounds: int
     """Rounds of pairs used: the probe rounds (``N - 1`` for even ``N``, ``N`` for odd ``N``),
-    then the measured rounds: those rounds' pairs inside network groups, and one round per pair
-    across groups."""
+    then the measured rounds: those rounds' pairs inside network groups, and one round per
+    measured pair across groups (:func:`representative_pairs`)."""
     elapsed_s: float
     """Wall seconds this rank spent in :func:`measure_network`."""
 
@@ -230,9 +233,10 @@ def _measure_network(
     members = group_by_network(probe_bandwidth.cpu().numpy())
     group_of = {r: g for g, ranks in enumerate(members) for r in ranks}
     inside = [[p for p in pairs if group_of[p[0]] == group_of[p[1]]] for pairs in rounds]
-    across = [[p] for pairs in rounds for p in pairs if group_of[p[0]] != group_of[p[1]]]
+    across = [p for pairs in rounds for p in pairs if group_of[p[0]] != group_of[p[1]]]
+    stand_ins = representative_pairs(across, group_of, probe_bandwidth.cpu().tolist())
     schedule = [(pairs, "inside groups") for pairs in inside if pairs]
-    schedule += [(pairs, "across groups") for pairs in across]
+    schedule += [([pair], "across groups") for pair in across if pair not in stand_ins]
     sizes = (probe_bandwidth * _TARGET_S).clamp(min=small_bytes + 1, max=large_bytes)
     latency, bandwidth = _run_rounds(
         schedule,
@@ -241,6 +245,9 @@ def _measure_network(
         sizes=sizes.cpu().long().tolist(), budget_s=budget_s, start=start,
         first_round=len(rounds), total_rounds=len(rounds) + len(schedule),
     )  # fmt: skip
+    for (low, high), (a, b) in stand_ins.items():  # the representative's figures, both ways
+        latency[low, high], bandwidth[low, high] = latency[a, b], bandwidth[a, b]
+        latency[high, low], bandwidth[high, low] = latency[b, a], bandwidth[b, a]
     bandwidth.fill_diagonal_(math.inf)
     return NetworkMeasurement(
         latency_s=tuple(tuple(row) for row in latency.cpu().tolist()),
@@ -248,6 +255,49 @@ def _measure_network(
         num_rounds=len(rounds) + len(schedule),
         elapsed_s=time.perf_counter() - start,
     )
+
+
+def representative_pairs(
+    across: Sequence[tuple[int, int]],
+    group_of: dict[int, int],
+    probe_bandwidth: Sequence[Sequence[float]],
+    *,
+    per_link: int = 2,
+    tolerance: float = 3.0,
+) -> dict[tuple[int, int], tuple[int, int]]:
+    """Pairs ``(low, high)`` across network groups that need no measurement of their own, each
+    mapped to the measured pair that stands in for it, oriented alike: the stand-in's first
+    rank is in ``low``'s group.
+
+    Pairs across groups are measured one at a time (they may share a WAN link), so every pair
+    between two large groups would cost minutes. Devices of one network group reach another
+    group over the same links, so ``per_link`` pairs per pair of groups are measured and each
+    other pair takes the figures of the first of them whose sizing probes, both ways, are within
+    ``tolerance`` times its own. A pair that matches none is measured too: a device behind its
+    own slower access link keeps its own figure.
+    """
+    measured: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    stand_ins: dict[tuple[int, int], tuple[int, int]] = {}
+    for low, high in across:
+        # Oriented lower group first, so that both orders of two groups share their figures.
+        swap = group_of[low] > group_of[high]
+        x, y = (high, low) if swap else (low, high)
+        mine = measured.setdefault((group_of[x], group_of[y]), [])
+
+        def alike(a: int, b: int, x: int = x, y: int = y) -> bool:
+            return all(
+                probe_bandwidth[i][j] <= tolerance * probe_bandwidth[u][v]
+                and probe_bandwidth[u][v] <= tolerance * probe_bandwidth[i][j]
+                for (i, j), (u, v) in (((x, y), (a, b)), ((y, x), (b, a)))
+            )
+
+        match = next(((a, b) for a, b in mine if alike(a, b)), None)
+        if match is None or len(mine) < per_link:
+            mine.append((x, y))
+        else:
+            a, b = match
+            stand_ins[(low, high)] = (b, a) if swap else (a, b)
+    return stand_ins
 
 
 def _run_rounds(

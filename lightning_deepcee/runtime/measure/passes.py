@@ -12,6 +12,7 @@ Runtime layer: torch, never lightning.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ def block_fastest(
     sample_batch: Any,
     repeats: int,
     warmup: int,
+    jitter_s: float = 0.0,
 ) -> list[tuple[float, float, float]]:
     """Fastest (F, B, W) seconds of each block on its input in ``inputs`` (over ``repeats``).
 
@@ -45,9 +47,17 @@ def block_fastest(
     blocks their burst time and others a throttled one and skew the partition. Sustained speed
     is measured separately (``sustained_factor``). Each pass runs in a stage's order
     (:func:`time_pass`).
+
+    ``jitter_s``: each pass first sleeps a random time up to this long. Passes of equal work run
+    back to back keep their phase against a CPU quota's period, so the quota stalls the same
+    calls in every pass and their fastest is a stalled one; a random start, up to one period,
+    moves the stalls from pass to pass.
     """
     times: list[list[tuple[float, float, float]]] = [[] for _ in blocks]
+    phases = random.Random()
     for repeat in range(warmup + repeats):
+        if jitter_s > 0:
+            time.sleep(phases.uniform(0.0, jitter_s))
         timings = time_pass(blocks, inputs, loss_fn, sample_batch)
         if repeat >= warmup:
             for index, timing in enumerate(timings):

@@ -1,0 +1,58 @@
+"""Which pairs across network groups the network measurement measures, and which borrow."""
+
+from __future__ import annotations
+
+import itertools
+
+from lightning_deepcee.runtime.measure import round_robin_rounds
+from lightning_deepcee.runtime.measure.network import representative_pairs
+
+MB = 1e6
+
+
+def _probe(group_of: dict[int, int], speed: dict[tuple[int, int], float]) -> list[list[float]]:
+    """Probe matrix: ``speed[(g, h)]`` bytes/s from a device of group g to one of group h."""
+    n = len(group_of)
+    return [[speed[(group_of[i], group_of[j])] for j in range(n)] for i in range(n)]
+
+
+def _across(group_of: dict[int, int]) -> list[tuple[int, int]]:
+    rounds = round_robin_rounds(len(group_of))
+    return [p for pairs in rounds for p in pairs if group_of[p[0]] != group_of[p[1]]]
+
+
+def test_each_pair_of_groups_measures_two_pairs_and_the_rest_borrow_alike() -> None:
+    # cee8-like: 3 cloud (group 0), 3 edge (1), 2 end (2); asymmetric uplinks.
+    group_of = {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1, 6: 2, 7: 2}
+    speed = {(g, h): (100 if g == h else 10 + 3 * g + h) * MB for g in range(3) for h in range(3)}
+    across = _across(group_of)
+    assert len(across) == 9 + 6 + 6
+    stand_ins = representative_pairs(across, group_of, _probe(group_of, speed))
+    measured = [p for p in across if p not in stand_ins]
+    assert len(measured) == 2 * 3  # two per pair of groups
+    for (low, high), (a, b) in stand_ins.items():
+        assert (a, b) not in stand_ins and (min(a, b), max(a, b)) in measured
+        # Oriented alike: the stand-in's first rank is in low's group, its second in high's.
+        assert (group_of[a], group_of[b]) == (group_of[low], group_of[high])
+
+
+def test_a_device_behind_its_own_slow_link_is_measured_itself() -> None:
+    group_of = {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
+    probe = [
+        [100 * MB if group_of[i] == group_of[j] else 10 * MB for j in range(6)] for i in range(6)
+    ]
+    for j in range(6):  # device 5 reaches the other group at a tenth of the others' speed
+        if group_of[j] == 0:
+            probe[5][j] = probe[j][5] = 1 * MB
+    across = _across(group_of)
+    stand_ins = representative_pairs(across, group_of, probe)
+    # Pair (0, 5) comes first: device 5's other pairs borrow its figures, and only they.
+    assert stand_ins and all((5 in p) == (5 in q) for p, q in stand_ins.items())
+    assert len(stand_ins) == len(across) - 2
+
+
+def test_no_stand_in_within_the_budget_of_two_pairs_per_link() -> None:
+    for sizes in ((1, 1), (2, 1), (1, 2, 1)):
+        group_of = dict(enumerate(g for g, size in enumerate(sizes) for _ in range(size)))
+        speed = {k: 5 * MB for k in itertools.product(range(len(sizes)), repeat=2)}
+        assert representative_pairs(_across(group_of), group_of, _probe(group_of, speed)) == {}
