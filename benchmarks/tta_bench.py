@@ -8,13 +8,15 @@ validation loss on the same first ``eval_batches x global_batch`` validation win
 ``eval_every`` steps. A run stops when the validation loss is at or below ``target`` (or after
 ``max_steps``). Systems: ``deepcee`` (``DeepCEEStrategy()``: profile, plan, run), ``ddp``
 (Lightning DDPStrategy) and ``pipe-1f1b`` (torch.distributed.pipelining's Schedule1F1B, uniform
-split, rank order), the workers of ``lab_bench.py`` extended with evaluation.
+split, rank order), the workers of ``lab_bench.py`` extended with evaluation; ``SYSTEM@region``
+runs on those regions' devices alone, as in ``lab_bench.py`` (``ddp@cloud``: DDP on the cloud
+devices). One invocation writes one table: every system's runs, interleaved run by run.
 
 The time reported is **training time**: the wall time of the optimizer steps (rank 0, from the
 start of each step to its end), summed up to the evaluation that reached the target. Set-up,
 profiling and the evaluations themselves are left out, so a system is not charged for its own
-validation speed. Results: ``<results>/tta_<topology>.json`` (every evaluation of every run),
-``.md`` (table) and ``.png`` (validation loss against training time).
+validation speed. Results: ``<results>/<name>.json`` (default ``tta_<topology>``; every
+evaluation of every run), ``.md`` (table) and ``.png`` (validation loss against training time).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -33,6 +36,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+
+from lab_bench import _git_commit, split_system, sub_topology, system_batch  # noqa: E402
 
 SYSTEMS = ("deepcee", "ddp", "pipe-1f1b")
 
@@ -224,7 +229,13 @@ def harness_main(argv: list[str]) -> int:
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--target", type=float, default=2.6)
+    p.add_argument(
+        "--target-step",
+        type=int,
+        help="instead of --target: the first system's validation loss at this step (one run)",
+    )
     p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--name", help="results file name (default: tta_<topology>)")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--profile-budget-s", type=float, default=300.0)
     p.add_argument("--run-timeout-s", type=float, default=1500.0)
@@ -239,56 +250,98 @@ def harness_main(argv: list[str]) -> int:
     from lightning_deepcee.lab.topology import load_topology
 
     topology = load_topology(args.topology)
-    name = f"tta_{topology.name}"
+    name = args.name or f"tta_{topology.name}"
     args.results.mkdir(parents=True, exist_ok=True)
     path = args.results / f"{name}.json"
     result: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-    result["config"] = {
-        k: (str(v) if isinstance(v, Path) else v)
-        for k, v in vars(args).items()
-        if k not in ("config", "results", "logs", "report_only", "runs", "systems")
-    }
-    result.setdefault("systems", {})
     systems = [] if args.report_only else [s for s in args.systems.split(",") if s]
     for system in systems:
-        if system not in SYSTEMS:
-            p.error(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
-        runs = []
-        for run in range(args.runs):
-            out = args.logs / topology.name / system / f"run{run}"
-            out.mkdir(parents=True, exist_ok=True)
-            log = out / "evals.jsonl"
-            log.unlink(missing_ok=True)
-            cmd = [sys.executable, "-m", "lightning_deepcee.lab.cli", "run", "--topology",
-                   str(args.topology), "--out", str(out), "--quiet", "--timeout-s",
-                   str(args.run_timeout_s), "--", "python", str(Path(__file__).resolve()),
-                   "worker", "--system", system, "--size", args.size, "--global-batch",
-                   str(args.global_batch), "--microbatches", str(args.microbatches),
-                   "--max-steps", str(args.max_steps), "--eval-every", str(args.eval_every),
-                   "--eval-batches", str(args.eval_batches), "--target", str(args.target),
-                   "--profile-budget-s", str(args.profile_budget_s),
-                   "--steps-log", str(log)]  # fmt: skip
-            print(f"[tta] {system} run {run + 1}/{args.runs}", flush=True)
-            began = time.time()
-            rc = subprocess.run(cmd, cwd=REPO, check=False).returncode
-            evals = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-            hit = _time_to_target(evals, args.target)
-            runs.append(
-                dict(
-                    run=run,
-                    returncode=rc,
-                    lab_wall_s=round(time.time() - began, 1),
-                    evals=evals,
-                    reached=hit,
-                )
-            )
-            what = f"{hit['train_s']:.1f} s at step {hit['step']}" if hit else "target not reached"
-            print(f"[tta]   {system}: rc={rc}, {what}", flush=True)
-        result["systems"][system] = dict(runs=runs)
-        result["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        path.write_text(json.dumps(result, indent=1) + "\n")
+        if split_system(system)[0] not in SYSTEMS:
+            p.error(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)} (@regions)")
+    if not systems and not result:
+        p.error(f"{path} does not exist: nothing to report")
+    if systems:  # a new invocation: its runs alone, interleaved run by run
+        result = dict(systems={s: dict(runs=[]) for s in systems})
+        result["config"] = {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("config", "results", "logs", "report_only", "runs")
+        }
+        result["config"].update(date=time.strftime("%Y-%m-%d"), commit=_git_commit())
+    if systems and args.target_step:
+        # The target is the loss the first system's run reaches at --target-step: a run that
+        # stops there, not counted (every later run, that system's included, races to it).
+        print(f"[tta] target: {systems[0]}'s validation loss at step {args.target_step}")
+        probe = _run(args, topology, systems[0], -1, target=-1.0, max_steps=args.target_step)
+        last = probe["evals"][-1] if probe["evals"] else None
+        if last is None or last["step"] != args.target_step:
+            p.error(f"the target run stopped before step {args.target_step}: {probe}")
+        args.target = math.ceil(last["val_loss"] * 1000) / 1000  # reached again despite rounding
+        result["config"].update(target=args.target, target_from=f"{systems[0]} step {last['step']}")
+        print(f"[tta] target validation loss {args.target}")
+    for run in range(args.runs if systems else 0):
+        for system in systems:
+            hit = _run(args, topology, system, run)
+            result["systems"][system]["runs"].append(hit)
+            result["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
+            path.write_text(json.dumps(result, indent=1) + "\n")
     print(report(result, args.results / name))
     return 0
+
+
+def _run(
+    args: argparse.Namespace,
+    topology: Any,
+    system: str,
+    run: int,
+    *,
+    target: float | None = None,
+    max_steps: int | None = None,
+) -> dict[str, Any]:
+    """One lab run of ``system`` (``base@regions``: on those regions' devices alone), to
+    ``target`` (default ``args.target``) or ``max_steps`` (default ``args.max_steps``)."""
+    target = args.target if target is None else target
+    import yaml
+
+    base, regions = split_system(system)
+    out = args.logs / topology.name / system / (f"run{run}" if run >= 0 else "target")
+    out.mkdir(parents=True, exist_ok=True)
+    topology_file = Path(args.topology)
+    devices = len(topology.devices)
+    if regions:
+        sub = sub_topology(topology, regions)
+        topology_file = out / "topology.yaml"
+        topology_file.write_text(yaml.safe_dump(sub.to_dict(), sort_keys=False))
+        devices = len(sub.devices)
+    batch = system_batch(system, devices, args.global_batch)
+    log = out / "evals.jsonl"
+    log.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "lightning_deepcee.lab.cli", "run", "--topology",
+           str(topology_file), "--out", str(out), "--quiet", "--timeout-s",
+           str(args.run_timeout_s), "--", "python", str(Path(__file__).resolve()),
+           "worker", "--system", base, "--size", args.size, "--global-batch",
+           str(batch), "--microbatches", str(args.microbatches),
+           "--max-steps", str(max_steps or args.max_steps), "--eval-every",
+           str(args.eval_every), "--eval-batches", str(args.eval_batches), "--target",
+           str(target), "--profile-budget-s", str(args.profile_budget_s),
+           "--steps-log", str(log)]  # fmt: skip
+    print(
+        f"[tta] {system} run {run + 1}/{args.runs}" if run >= 0 else f"[tta] {system}", flush=True
+    )
+    began = time.time()
+    rc = subprocess.run(cmd, cwd=REPO, check=False).returncode
+    evals = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    hit = _time_to_target(evals, target)
+    what = f"{hit['train_s']:.1f} s at step {hit['step']}" if hit else "target not reached"
+    print(f"[tta]   {system}: rc={rc}, {what}", flush=True)
+    return dict(
+        run=run,
+        returncode=rc,
+        lab_wall_s=round(time.time() - began, 1),
+        global_batch=batch,
+        evals=evals,
+        reached=hit,
+    )
 
 
 def render(result: dict[str, Any]) -> str:
@@ -296,9 +349,17 @@ def render(result: dict[str, Any]) -> str:
     cfg = result["config"]
     lines = [
         f"Topology `{Path(cfg['topology']).stem}`, GPT `{cfg['size']}`, global batch "
-        f"{cfg['global_batch']}, target validation loss {cfg['target']} (on the first "
+        f"{cfg['global_batch']}, target validation loss {cfg['target']}"
+        + (f" (what {cfg['target_from']} reached)" if "target_from" in cfg else "")
+        + " (on the first "
         f"{cfg['eval_batches']} x {cfg['global_batch']} validation windows, every "
-        f"{cfg['eval_every']} steps). Time = summed optimizer-step wall time (rank 0).",
+        f"{cfg['eval_every']} steps). Time = summed optimizer-step wall time (rank 0)."
+        + (
+            f" One invocation on {cfg['date']} at commit `{cfg['commit']}`, systems interleaved "
+            "run by run."
+            if "date" in cfg
+            else ""
+        ),
         "",
         "| system | runs reaching target | training s to target (median) | min | max | "
         "steps to target | vs deepcee |",
