@@ -277,7 +277,9 @@ def harness_main(argv: list[str]) -> int:
         if last is None or last["step"] != args.target_step:
             p.error(f"the target run stopped before step {args.target_step}: {probe}")
         args.target = math.ceil(last["val_loss"] * 1000) / 1000  # reached again despite rounding
-        result["config"].update(target=args.target, target_from=f"{systems[0]} step {last['step']}")
+        result["config"].update(
+            target=args.target, target_from=f"{systems[0]} at step {last['step']}"
+        )
         print(f"[tta] target validation loss {args.target}")
     for run in range(args.runs if systems else 0):
         for system in systems:
@@ -349,9 +351,9 @@ def render(result: dict[str, Any]) -> str:
     cfg = result["config"]
     lines = [
         f"Topology `{Path(cfg['topology']).stem}`, GPT `{cfg['size']}`, global batch "
-        f"{cfg['global_batch']}, target validation loss {cfg['target']}"
-        + (f" (what {cfg['target_from']} reached)" if "target_from" in cfg else "")
-        + " (on the first "
+        f"{cfg['global_batch']}, target validation loss {cfg['target']} ("
+        + (f"reached by {cfg['target_from']}; " if "target_from" in cfg else "")
+        + "on the first "
         f"{cfg['eval_batches']} x {cfg['global_batch']} validation windows, every "
         f"{cfg['eval_every']} steps). Time = summed optimizer-step wall time (rank 0)."
         + (
