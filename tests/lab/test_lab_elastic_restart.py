@@ -6,8 +6,9 @@ killed with SIGKILL (agent and worker) in the middle of step 8, and nobody runs 
 three survivors name the lost device, their agents re-rendezvous, and the job resumes from the
 newest complete checkpoint on three devices (step 6's, or step 3's when the kill came before the
 step-6 save had committed: a save cut short never counts). Once they train, ``edge1`` is started
-again: it joins at the next rendezvous, the job restarts on four devices and edge1 holds a stage
-again (the steps after the first start take a second each, to leave it the time).
+again once they have committed a checkpoint of their own: it joins at the next rendezvous, the
+job restarts on four devices and edge1 holds a stage again (the steps after the first start take
+a second each, to leave it the time).
 Every step's loss, and the parameters after the last step, must equal one uninterrupted process
 (the resumed steps see the batches the data order gives them: the loader resumes mid-epoch).
 
@@ -54,6 +55,7 @@ class _Script:
         self.work = work
         self.killed_at: float | None = None
         self.started_at: float | None = None
+        self.saved_on_four: set[str] | None = None
 
     def __call__(self, ctl: LabControl) -> None:
         if self.killed_at is None:
@@ -62,7 +64,15 @@ class _Script:
                 self.killed_at = ctl.elapsed_s
         elif self.started_at is None:
             rows = _rows(self.work / "losses.jsonl")
-            if any(r["start"] == 1 for r in rows):  # the survivors train again: bring it back
+            if not any(r["start"] == 1 for r in rows):
+                return
+            # The survivors train again. Bring edge1 back once they have committed a checkpoint
+            # of their own: the restart then resumes from three devices' state and edge1 joins
+            # it (resuming from a checkpoint edge1 helped write would be no change of devices).
+            committed = {p.name for p in (self.work / "ckpt").glob("step=*.ckpt")}
+            if self.saved_on_four is None:
+                self.saved_on_four = committed
+            elif committed - self.saved_on_four:
                 ctl.start("edge1")
                 self.started_at = ctl.elapsed_s
 
