@@ -245,9 +245,10 @@ def _measure_network(
         sizes=sizes.cpu().long().tolist(), budget_s=budget_s, start=start,
         first_round=len(rounds), total_rounds=len(rounds) + len(schedule),
     )  # fmt: skip
-    for (low, high), (a, b) in stand_ins.items():  # the representative's figures, both ways
-        latency[low, high], bandwidth[low, high] = latency[a, b], bandwidth[a, b]
-        latency[high, low], bandwidth[high, low] = latency[b, a], bandwidth[b, a]
+    for (low, high), alike in stand_ins.items():  # each way, the slowest alike reading
+        for i, j, (a, b) in ((low, high, (0, 1)), (high, low, (1, 0))):
+            u, v = min(((r[a], r[b]) for r in alike), key=lambda uv: float(bandwidth[uv]))
+            latency[i, j], bandwidth[i, j] = latency[u, v], bandwidth[u, v]
     bandwidth.fill_diagonal_(math.inf)
     return NetworkMeasurement(
         latency_s=tuple(tuple(row) for row in latency.cpu().tolist()),
@@ -264,20 +265,21 @@ def representative_pairs(
     *,
     per_link: int = 2,
     tolerance: float = 3.0,
-) -> dict[tuple[int, int], tuple[int, int]]:
+) -> dict[tuple[int, int], list[tuple[int, int]]]:
     """Pairs ``(low, high)`` across network groups that need no measurement of their own, each
-    mapped to the measured pair that stands in for it, oriented alike: the stand-in's first
-    rank is in ``low``'s group.
+    mapped to the measured pairs that stand in for it, oriented alike: a stand-in's first rank
+    is in ``low``'s group.
 
     Pairs across groups are measured one at a time (they may share a WAN link), so every pair
     between two large groups would cost minutes. Devices of one network group reach another
-    group over the same links, so ``per_link`` pairs per pair of groups are measured and each
-    other pair takes the figures of the first of them whose sizing probes, both ways, are within
-    ``tolerance`` times its own. A pair that matches none is measured too: a device behind its
-    own slower access link keeps its own figure.
+    group over the same links, so ``per_link`` pairs per pair of groups are measured, and each
+    other pair is stood in for by those whose sizing probes, both ways, are within ``tolerance``
+    times its own (the caller takes the slowest of their readings: a fast one may be a traffic
+    shaper's burst). A pair that matches none is measured too: a device behind its own slower
+    access link keeps its own figure.
     """
     measured: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    stand_ins: dict[tuple[int, int], tuple[int, int]] = {}
+    stand_ins: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for low, high in across:
         # Oriented lower group first, so that both orders of two groups share their figures.
         swap = group_of[low] > group_of[high]
@@ -291,12 +293,11 @@ def representative_pairs(
                 for (i, j), (u, v) in (((x, y), (a, b)), ((y, x), (b, a)))
             )
 
-        match = next(((a, b) for a, b in mine if alike(a, b)), None)
-        if match is None or len(mine) < per_link:
+        matches = [(b, a) if swap else (a, b) for a, b in mine if alike(a, b)]
+        if not matches or len(mine) < per_link:
             mine.append((x, y))
         else:
-            a, b = match
-            stand_ins[(low, high)] = (b, a) if swap else (a, b)
+            stand_ins[(low, high)] = matches
     return stand_ins
 
 
