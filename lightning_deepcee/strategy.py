@@ -188,7 +188,10 @@ class DeepCEEStrategy(ElasticStrategy):
         for name, value in (
             ("timeout_s", timeout_s),
             ("profile_budget_s", profile_budget_s),
-            ("profile_block_budget_s", profile_block_budget_s or 1.0),
+            (
+                "profile_block_budget_s",
+                1.0 if profile_block_budget_s is None else profile_block_budget_s,
+            ),
         ):
             if value <= 0:
                 raise ValueError(f"DeepCEEStrategy({name}={value}) must be > 0.")
