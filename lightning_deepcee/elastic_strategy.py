@@ -5,8 +5,9 @@
 files and the commit in the background), loads them onto whatever layout this run has
 (re-partitioning when the devices or the plan changed), and makes a restart exact and visible:
 
-- the train loader is wrapped in :class:`ResumableLoader`, so a checkpoint taken mid-epoch
-  resumes with the batch after the last one trained (Lightning alone restarts the epoch's data);
+- the train loader is wrapped in a :class:`~lightning_deepcee.loaders.TrainLoader`, so a
+  checkpoint taken mid-epoch resumes with the batch after the last one trained (Lightning alone
+  restarts the epoch's data), and a rank the plan leaves idle reads no batches;
 - a failed fit writes ``deepcee_failure.json`` beside the checkpoints (when, at which step,
   which devices were lost), and the run that resumes says which devices left or joined, the
   old and the new plan, the steps to redo, and the time from the failure to its first step.
@@ -36,12 +37,13 @@ from typing_extensions import override
 from lightning_deepcee._compat import PATH, default_store, set_default_timeout
 from lightning_deepcee.checkpoint import load_meta, load_sharded, save_sharded
 from lightning_deepcee.layout_strategy import PipelineLayoutStrategy
+from lightning_deepcee.loaders import StepLoader, TrainLoader
 from lightning_deepcee.runtime.checkpoint_writer import CheckpointWriter, snapshot
 from lightning_deepcee.runtime.liveness import DeviceLostError, agree_group_token
 from lightning_deepcee.runtime.measure import device_identity
 from lightning_deepcee.runtime.ties import tied_names_to_fill
 
-__all__ = ["FAILURE_FILE", "ElasticStrategy", "ResumableLoader"]
+__all__ = ["FAILURE_FILE", "ElasticStrategy"]
 
 FAILURE_FILE = "deepcee_failure.json"
 """Written beside the checkpoints when a fit fails; read by the run that resumes."""
@@ -52,55 +54,6 @@ it joins; the strategy's ``timeout_s`` (how soon a dead device stops the others)
 WRITER_GRACE_S = 60.0
 """After a failure, how long a rank waits for the checkpoint save in flight to commit."""
 _SHARD_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", "optimizer_param_names")
-
-
-class ResumableLoader:
-    """The train loader, resumable mid-epoch (Lightning's ``state_dict`` protocol of loaders).
-
-    A checkpoint records how many batches of the running epoch were trained; the first epoch
-    after a resume skips them, so every later step sees the batch the uninterrupted run saw. Each
-    iterator draws its epoch's order (``set_epoch``), as Lightning's sampler epochs say.
-    Everything else (``len``, ``sampler``, ``dataset``, ...) is the wrapped loader's.
-    """
-
-    def __init__(self, loader: Any, trainer: pl.Trainer) -> None:
-        self.loader, self._trainer, self._skip = loader, trainer, 0
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "loader":
-            raise AttributeError(name)
-        return getattr(self.loader, name)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Any:
-        # The epoch's shuffle first: Lightning sets it only after a resumed fit has built its
-        # first iterator, which would then draw the order of epoch 0.
-        progress: Any = self._trainer.fit_loop.epoch_progress.current  # a _ProcessedTracker
-        for attribute in ("batch_sampler", "sampler"):
-            part = getattr(self.loader, attribute, None)
-            set_epoch = getattr(part, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(int(progress.processed))
-        iterator = iter(self.loader)
-        skip, self._skip = self._skip, 0
-        for _ in range(skip):
-            if next(iterator, _END) is _END:
-                break
-        return iterator
-
-    def state_dict(self) -> dict[str, int]:
-        """Batches of the running epoch trained so far (0 once the epoch is complete)."""
-        current = self._trainer.fit_loop.epoch_loop.batch_progress.current
-        done = int(current.processed)  # type: ignore[attr-defined]  # a _ProcessedTracker
-        return {"batches_done": done if done < self._trainer.num_training_batches else 0}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._skip = int(state.get("batches_done", 0))
-
-
-_END = object()
 
 
 class ElasticStrategy(PipelineLayoutStrategy):
@@ -278,11 +231,27 @@ class ElasticStrategy(PipelineLayoutStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        """Train and evaluation loaders stand in for batches on idle ranks, and the train loader
+        resumes mid-epoch (:mod:`lightning_deepcee.loaders`). A loader with a ``state_dict`` of
+        its own, and the predict loaders (the module's ``predict_step`` sees the batch on every
+        rank), are read as they are."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         stateful = callable(getattr(dataloader, "state_dict", None))
-        if trainer is None or not trainer.training or stateful:
+        if trainer is None or trainer.predicting or stateful:
             return dataloader
-        return ResumableLoader(dataloader, trainer)
+        if not trainer.training:
+            return StepLoader(dataloader, lambda: self.is_idle)
+
+        def trained() -> int:
+            current = trainer.fit_loop.epoch_loop.batch_progress.current
+            done = int(current.processed)  # type: ignore[attr-defined]  # a _ProcessedTracker
+            return done if done < trainer.num_training_batches else 0
+
+        def epoch() -> int:
+            progress: Any = trainer.fit_loop.epoch_progress.current  # a _ProcessedTracker
+            return int(progress.processed)
+
+        return TrainLoader(dataloader, lambda: self.is_idle, epoch=epoch, trained=trained)
 
     @override
     def on_train_end(self) -> None:

@@ -42,6 +42,7 @@ from lightning_deepcee.console import (
     warn_unrun_steps,
 )
 from lightning_deepcee.elastic_strategy import ElasticStrategy
+from lightning_deepcee.loaders import real_batch, stand_in_warning
 from lightning_deepcee.planner import Plan, plan_search
 from lightning_deepcee.profiler import ClusterProfile, DeviceGroups
 from lightning_deepcee.profiling import profile_at_setup
@@ -325,6 +326,10 @@ class DeepCEEStrategy(ElasticStrategy):
         )
         if batch_warning is not None:
             rank_zero_warn(batch_warning, category=UserWarning)
+        callbacks = getattr(trainer, "callbacks", [])  # set by its connector, not declared
+        hooks_warning = stand_in_warning(self.plan.idle_ranks, module, callbacks)
+        if hooks_warning is not None:
+            rank_zero_warn(hooks_warning, category=UserWarning)
         warn_unrun_steps(module, spec)
         # train/val/test_loss are all-reduced before they are logged (every rank holds the same
         # value), so Lightning's advice to sync them on epoch level does not apply.
@@ -399,20 +404,23 @@ class DeepCEEStrategy(ElasticStrategy):
         mine = {} if executor is None else executor.last_metrics
         names = self._metric_names(mine)
         shares = [float(mine.get(name, 0.0)) for name in names]
-        figures = torch.tensor([0.0, *shares], dtype=torch.float64, device=self.root_device)
+        figures = torch.tensor([0.0, 0.0, *shares], dtype=torch.float64, device=self.root_device)
         if loss is not None:
             figures[0] = loss.detach().double()
+        tokens_fn = self.spec.tokens_fn if self.spec is not None else None
+        # Tokens from each replica's first device (an idle rank's batch is a stand-in).
+        if tokens_fn is not None and self.global_rank in self.placement[0][: self.num_replicas]:
+            figures[1] = float(tokens_fn(batch))
         # Every rank returns the real loss: the last-stage devices each contribute their rows.
         all_reduce_(figures)
         self.last_step_samples = total * self.num_replicas
-        tokens_fn = self.spec.tokens_fn if self.spec is not None else None
-        self.last_step_tokens = tokens_fn(batch) * self.num_replicas if tokens_fn else None
+        self.last_step_tokens = round(figures[1].item()) if tokens_fn else None
         module = self.lightning_module
         assert module is not None
         training = prefix == "train"
         value = figures[0].float()
         module.log(f"{prefix}_loss", value, prog_bar=True, on_step=training, on_epoch=True)
-        for name, metric in zip(names, figures[1:].float(), strict=True):
+        for name, metric in zip(names, figures[2:].float(), strict=True):
             module.log(f"{prefix}_{name}", metric, on_step=training, on_epoch=True)
         return value
 
@@ -436,8 +444,12 @@ class DeepCEEStrategy(ElasticStrategy):
         for p in params:
             p.grad = None
         start = time.perf_counter()
+        batch = args[0] if args else kwargs["batch"]
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:  # a stand-in, on a rank a re-plan has just made active
+            batch = real_batch(trainer.train_dataloader, batch, self.is_idle, self.batch_to_device)
         with self._failures_named():
-            loss = self._run(self._executor, args[0] if args else kwargs["batch"], "train")
+            loss = self._run(self._executor, batch, "train")
             synced = 0.0  # 0 when no copy of this stage's parameters lives elsewhere
             if self._stage_group is not None or self._tie_groups:
                 began = time.perf_counter()

@@ -88,7 +88,9 @@ class TiedLM(pl.LightningModule):
         self.head = Head(self.embed.tokens)
 
     def configure_pipeline(self) -> PipelineSpec:
-        return PipelineSpec(blocks=[self.embed, *self.mixes, self.head], loss_fn=lm_loss)
+        return PipelineSpec(
+            blocks=[self.embed, *self.mixes, self.head], loss_fn=lm_loss, tokens_fn=valid_tokens
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         value: Any = self.embed(ids)
@@ -118,12 +120,20 @@ class _Sequences(Dataset[torch.Tensor]):
         lengths = torch.randint(3, MAX_T + 1, (num,), generator=g)
         for i, n in enumerate(lengths.tolist()):
             self.data[i, n:] = PAD
+        self.reads = 0
+        """Samples read so far (by this process)."""
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, index: int) -> torch.Tensor:
+        self.reads += 1
         return self.data[index]
+
+
+def valid_tokens(batch: Any) -> int:
+    """Tokens of a batch before its padding (the throughput figures count them)."""
+    return int((batch[0] != PAD).sum())
 
 
 def _collate(samples: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,8 +4,9 @@
 
 For each config it trains ``TiedLM`` (dict/tuple block values, a tied head, variable-length
 batches) under DeepCEEStrategy and writes every rank's parameters (its module's whole
-``state_dict``, tied copies included) to ``OUT_DIR/<name>/rank<r>.pt``, plus what the config
-asks for: validation loss and predictions after fit, a consolidated checkpoint, the checkpoint
+``state_dict``, tied copies included) to ``OUT_DIR/<name>/rank<r>.pt`` and the samples it read
+in fit (with its last step's token count) to ``rank<r>_reads.json``, plus what the config asks
+for: validation loss and predictions after fit, a consolidated checkpoint, the checkpoint
 shards' keys.
 """
 
@@ -107,6 +108,11 @@ def run(cfg: dict[str, Any], out: Path) -> None:
     trainer = _trainer(cfg, target)
     trainer.fit(model, loader)
     _save_params(model, target / f"rank{rank}.pt")
+    reads = {
+        "fit": loader.dataset.reads,  # type: ignore[attr-defined]
+        "last_step_tokens": trainer.strategy.last_step_tokens,  # type: ignore[attr-defined]
+    }
+    (target / f"rank{rank}_reads.json").write_text(json.dumps(reads))
     if cfg.get("evaluate"):
         metrics = trainer.validate(model, loader, verbose=False)[0]
         (target / f"rank{rank}_eval.json").write_text(json.dumps(metrics))

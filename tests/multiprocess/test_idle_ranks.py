@@ -4,7 +4,8 @@ One torchrun job (4 processes) trains ``TiedLM`` (``_tied_models.py``) under pla
 ``idle_ranks`` hold no stage: ranks 1 and 3 idle; a re-plan that brings rank 1 in (blocks,
 tied weight and optimizer state move onto it); a resume from a checkpoint saved with ranks 1
 and 3 idle onto a plan that uses all four. Parameters, validation loss and predictions must
-equal a single-process run; idle ranks must hold no parameters.
+equal a single-process run; idle ranks must hold no parameters and read one batch, not every
+batch (a stand-in, ``lightning_deepcee.loaders``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _tied_models import TiedLM
+from _tied_models import TiedLM, make_lm_loader, valid_tokens
 from test_tied_and_values import WORKER, _assert_params, _free_port, _reference
 
 from lightning_deepcee.planner import Plan, StagePlan
@@ -91,3 +92,24 @@ def test_idle_ranks_hold_nothing_and_active_ranks_match_one_process(
             assert json.loads(eval_file.read_text())["val_loss"] == pytest.approx(val_loss, 1e-5)
             predicted = torch.load(trained / name / f"rank{rank}_predict.pt")
             torch.testing.assert_close(predicted, predictions, rtol=1e-5, atol=1e-6)
+
+
+def test_idle_ranks_read_one_batch_and_a_rank_brought_in_reads_from_then_on(trained: Path) -> None:
+    # 24 samples in batches of 6, 8 steps (two epochs): an active rank reads all 48 samples.
+    reads = {
+        name: [json.loads((trained / name / f"rank{r}_reads.json").read_text())["fit"]
+               for r in range(4)]
+        for name in ("idle", "replan")
+    }  # fmt: skip
+    assert reads["idle"] == [48, 6, 48, 6]
+    # Rank 1 joins after step 3: its stand-in (6), then the batch Lightning had fetched ahead as
+    # a stand-in, read at its step (6), then all of the second epoch (24).
+    assert reads["replan"] == [48, 36, 48, 6]
+
+
+def test_every_rank_counts_the_last_steps_real_tokens(trained: Path) -> None:
+    last = next(b for i, b in enumerate(make_lm_loader(6)) if i == 3)  # the 8th step's batch
+    for name in ("idle", "replan"):
+        for rank in range(4):
+            got = json.loads((trained / name / f"rank{rank}_reads.json").read_text())
+            assert got["last_step_tokens"] == valid_tokens(last), f"{name} rank {rank}"
