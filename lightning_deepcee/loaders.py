@@ -67,7 +67,6 @@ class StepLoader:
         self.loader = loader
         self._idle = idle
         self._epoch: Callable[[], int] | None = None
-        self._trained: Callable[[], int] | None = None
         self._skip = 0
         self._stand_in: Any = None
         self._pending: collections.deque[list[int] | None] = collections.deque()
@@ -167,7 +166,8 @@ class TrainLoader(StepLoader):
         trained: Callable[[], int],
     ) -> None:
         super().__init__(loader, idle)
-        self._epoch, self._trained = epoch, trained
+        self._epoch = epoch
+        self._trained = trained
 
     def _note(self, indices: list[int] | None) -> None:
         self._pending.append(indices)
@@ -179,7 +179,6 @@ class TrainLoader(StepLoader):
 
     def state_dict(self) -> dict[str, int]:
         """Batches of the running epoch trained so far (0 once the epoch is complete)."""
-        assert self._trained is not None
         return {"batches_done": self._trained()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
