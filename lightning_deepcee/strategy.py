@@ -43,7 +43,7 @@ from lightning_deepcee.console import (
 )
 from lightning_deepcee.elastic_strategy import ElasticStrategy
 from lightning_deepcee.loaders import real_batch, stand_in_warning
-from lightning_deepcee.planner import Plan, plan_search
+from lightning_deepcee.planner import DEVICE_GAIN, Plan, plan_search
 from lightning_deepcee.profiler import ClusterProfile, DeviceGroups
 from lightning_deepcee.profiling import profile_at_setup
 from lightning_deepcee.runtime import (
@@ -144,6 +144,8 @@ class DeepCEEStrategy(ElasticStrategy):
         async_checkpoint: a checkpoint save snapshots this rank's state and returns; the files
             are written and committed in the background (crash-safe: an interrupted save leaves
             the previous checkpoint the newest complete one). ``False`` blocks until committed.
+        device_gain: the automatic plan uses more devices than another only when predicted at
+            least this fraction faster (``plan_search``); 0 takes the fastest prediction.
     """
 
     strategy_name = "deepcee"
@@ -167,6 +169,7 @@ class DeepCEEStrategy(ElasticStrategy):
         receive_ahead: bool = True,
         freeze_gc: bool = True,
         async_checkpoint: bool = True,
+        device_gain: float = DEVICE_GAIN,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -199,6 +202,8 @@ class DeepCEEStrategy(ElasticStrategy):
         rounds = profile_rounds
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
             raise ValueError(f"DeepCEEStrategy(profile_rounds={rounds!r}) must be an integer >= 1.")
+        if isinstance(device_gain, bool) or not 0 <= device_gain < 1:
+            raise ValueError(f"DeepCEEStrategy(device_gain={device_gain!r}) must be in [0, 1).")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -224,7 +229,7 @@ class DeepCEEStrategy(ElasticStrategy):
         self.verbose = verbose
         self.receive_ahead = receive_ahead
         self.freeze_gc = freeze_gc
-        self.async_checkpoint = async_checkpoint
+        self.async_checkpoint, self.device_gain = async_checkpoint, device_gain
         self._gc = GcFreeze()
         self.ranges: list[tuple[int, int]] = []
         self.spec: PipelineSpec | None = None
@@ -376,6 +381,7 @@ class DeepCEEStrategy(ElasticStrategy):
                     self.cluster_profile,
                     num_blocks=num_blocks,
                     global_batch_size=self._global_batch_size,
+                    device_gain=self.device_gain,
                 ).to_dict()
             plan = Plan.from_dict(self.broadcast(found))
         rank_zero_info("DeepCEE plan:\n" + plan.format_table())

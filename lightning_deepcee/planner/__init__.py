@@ -18,9 +18,10 @@ from lightning_deepcee.planner.partition import (
 )
 from lightning_deepcee.planner.plan import Plan, StagePlan
 from lightning_deepcee.planner.prediction import CostModelConfig, Prediction
-from lightning_deepcee.planner.search import baseline_plans, make_plan, plan_search
+from lightning_deepcee.planner.search import DEVICE_GAIN, baseline_plans, make_plan, plan_search
 
 __all__ = [
+    "DEVICE_GAIN",
     "CostModelConfig",
     "Evaluator",
     "Plan",

@@ -8,7 +8,8 @@ This module owns the planner's entry points:
   number of micro-batches) turned into a :class:`~lightning_deepcee.planner.plan.Plan` with
   speed-proportional, memory-bounded batch shares and the cost model's prediction;
 - :func:`baseline_plans`: the best pure data-parallel plan and the best plain pipeline (one
-  stage per device, rank order); :func:`plan_search` is never predicted worse than either.
+  stage per device, rank order); :func:`plan_search` is never predicted worse than either
+  (by more than ``device_gain``, when it keeps fewer devices).
 
 The candidate space of :func:`plan_search` (see ``docs/planner.md``):
 
@@ -62,7 +63,7 @@ from lightning_deepcee.schedule.actions import format_actions
 from lightning_deepcee.schedule.compact import COST_AWARE_SCHEDULE_KINDS
 from lightning_deepcee.schedule.generators import SCHEDULE_KINDS
 
-__all__ = ["DEFAULT_MAX_STAGES", "baseline_plans", "make_plan", "plan_search"]
+__all__ = ["DEFAULT_MAX_STAGES", "DEVICE_GAIN", "baseline_plans", "make_plan", "plan_search"]
 
 DEFAULT_MAX_STAGES = 16
 """Network groups beyond this many (or beyond the number of blocks) are merged by bandwidth."""
@@ -72,6 +73,9 @@ MAX_SUBSET_SEARCHES = 12
 """Device subsets :func:`plan_search` scores besides every device (the most promising)."""
 FULL_SEARCHES = 2
 """Device sets (the best scored) that get the full search."""
+DEVICE_GAIN = 0.05
+"""Default ``device_gain`` of :func:`plan_search`: the predicted gain a larger device set must
+bring over a smaller one to be chosen."""
 LARGE_CLUSTER = 64
 """Beyond this many devices, half as many device sets are scored and only the best gets the full
 search (planning time stays under a minute at 1024 devices)."""
@@ -92,6 +96,7 @@ def plan_search(
     config: CostModelConfig | None = None,
     max_stages: int | None = None,
     choose_devices: bool = True,
+    device_gain: float = DEVICE_GAIN,
 ) -> Plan:
     """Search for the plan with the lowest predicted step time, on the best set of devices.
 
@@ -118,6 +123,10 @@ def plan_search(
             merged by bandwidth. Defaults to ``min(num_blocks, DEFAULT_MAX_STAGES)``.
         choose_devices: also search device subsets and leave the others idle when that is
             predicted faster; ``False`` plans on every device.
+        device_gain: a device set is chosen over one with fewer devices only when predicted
+            at least this fraction faster (0.05: 5%). A smaller gain is inside the cost model's
+            error, and every extra device adds links whose bandwidth can fall and a device that
+            can fail; 0 takes the fastest prediction whatever its size.
 
     Returns:
         The best plan; its ``notes`` name the candidate kind and the baselines' predictions,
@@ -129,6 +138,8 @@ def plan_search(
             model spread over ``num_blocks`` stages, is too large).
     """
     _check_request(profile, num_blocks, schedules)
+    if isinstance(device_gain, bool) or not 0 <= device_gain < 1:
+        raise ValueError(f"device_gain: expected a fraction in [0, 1), got {device_gain!r}")
     search = functools.partial(
         _search_devices,
         num_blocks=num_blocks,
@@ -174,7 +185,15 @@ def plan_search(
     full = {}
     for ranks in finalists:
         full[ranks] = search(restrict(profile, ranks))
-    best_ranks = min(full, key=lambda ranks: full[ranks].predicted_step_time_s)
+    fastest = min(plan.predicted_step_time_s for plan in full.values())
+    best_ranks = min(
+        (
+            ranks
+            for ranks in full
+            if full[ranks].predicted_step_time_s <= fastest * (1 + device_gain)
+        ),
+        key=lambda ranks: (len(ranks), full[ranks].predicted_step_time_s),
+    )
     best = full[best_ranks]
     if best_ranks == everyone:
         return best
@@ -183,9 +202,16 @@ def plan_search(
     else:
         with_every = f"{scored[everyone] * 1e3:.2f} ms (quick search)"
     idle = [r for r in everyone if r not in best_ranks]
+    faster = min(full, key=lambda ranks: full[ranks].predicted_step_time_s)
+    more = ""
+    if faster != best_ranks:  # a larger set is predicted faster, by less than device_gain
+        if faster != everyone:
+            more = f", with devices {compact_ranks(faster)} "
+            more += f"{full[faster].predicted_step_time_s * 1e3:.2f} ms"
+        more += f" (fewer devices within the {device_gain:.0%} device_gain)"
     notes = (
         f"devices {compact_ranks(best_ranks)} ({len(idle)} idle: {compact_ranks(idle)}): predicted "
-        f"{best.predicted_step_time_s * 1e3:.2f} ms, with every device {with_every}; "
+        f"{best.predicted_step_time_s * 1e3:.2f} ms, with every device {with_every}{more}; "
         f"{best.notes}"
     )
     return lift(best, best_ranks, profile.num_devices, notes)

@@ -61,6 +61,29 @@ def test_a_fast_wan_uses_both_zones() -> None:
     assert set(plan.ranks) & {0, 1} and set(plan.ranks) & {2, 3, 4, 5}, plan.format_table()
 
 
+@pytest.mark.parametrize("wan", [1e6, 1e7, 3e7, 1e10])
+@pytest.mark.parametrize("gain", [0.05, 0.2])
+def test_device_gain_prefers_fewer_devices_within_the_gain(wan: float, gain: float) -> None:
+    fastest = plan_search(_two_zones(wan), num_blocks=8, global_batch_size=32, device_gain=0.0)
+    plan = plan_search(_two_zones(wan), num_blocks=8, global_batch_size=32, device_gain=gain)
+    assert plan.predicted_step_time_s <= (1 + gain) * fastest.predicted_step_time_s
+    assert len(plan.ranks) <= len(fastest.ranks)
+    if len(plan.ranks) < len(fastest.ranks):
+        assert "device_gain" in plan.notes, plan.notes
+
+
+def test_a_large_device_gain_keeps_the_fast_zone() -> None:
+    # At 10 MB/s both zones are fastest, by less than 20%: a gain of 0.2 keeps zone A alone.
+    fastest = plan_search(_two_zones(1e7), num_blocks=8, global_batch_size=32, device_gain=0.0)
+    plan = plan_search(_two_zones(1e7), num_blocks=8, global_batch_size=32, device_gain=0.2)
+    assert set(fastest.ranks) & {2, 3, 4, 5}
+    assert plan.ranks == (0, 1), plan.format_table()
+    assert fastest.predicted_step_time_s < plan.predicted_step_time_s
+    assert "device_gain" in plan.notes, plan.notes
+    with pytest.raises(ValueError, match="device_gain"):
+        plan_search(_two_zones(1e10), num_blocks=8, global_batch_size=32, device_gain=1.0)
+
+
 def test_candidate_subsets_drop_groups_and_slow_devices() -> None:
     profile = _two_zones(1e6)
     subsets = candidate_subsets(profile, group_devices(profile))
