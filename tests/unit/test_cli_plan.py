@@ -26,3 +26,16 @@ def test_plan_command_reports_bad_profile(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("devices: []\n")
     assert main(["plan", "--profile", str(bad), "--global-batch-size", "8"]) == 2
+
+
+def test_plan_command_device_gain(tmp_path: Path) -> None:
+    argv = ["plan", "--profile", str(PROFILE), "--global-batch-size", "32"]
+    plans = []
+    for gain in ("0", "0.9"):
+        out = tmp_path / f"plan{gain}.json"
+        assert main([*argv, "--out", str(out), "--device-gain", gain]) == 0
+        plans.append(Plan.from_json(out))
+    fastest, fewest = plans
+    assert len(fewest.ranks) <= len(fastest.ranks)
+    assert fewest.predicted_step_time_s <= 1.9 * fastest.predicted_step_time_s
+    assert main([*argv, "--out", str(tmp_path / "bad.json"), "--device-gain", "1.5"]) == 2

@@ -21,3 +21,11 @@ def test_profile_block_budget_default_none_and_bad_values() -> None:
     for bad in (0.0, -5.0):
         with pytest.raises(ValueError, match=r"profile_block_budget_s=.*must be > 0"):
             DeepCEEStrategy(profile_block_budget_s=bad)
+
+
+def test_device_gain_default_and_bad_values() -> None:
+    assert DeepCEEStrategy().device_gain == 0.05
+    assert DeepCEEStrategy(device_gain=0.0).device_gain == 0.0
+    for bad in (-0.1, 1.0, True):
+        with pytest.raises(ValueError, match=r"device_gain=.*must be in \[0, 1\)"):
+            DeepCEEStrategy(device_gain=bad)
