@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_deepcee.adapter.replan import placement_key
 from lightning_deepcee.adapter.search_process import SearchProcess
+from lightning_deepcee.planner.search import DEVICE_GAIN
 
 if TYPE_CHECKING:
     from lightning_deepcee.adapter.callback import DynamicEnvironmentAdapter
@@ -68,7 +69,8 @@ def start_replan(
     if strategy.global_rank == adapter._search["searcher"]:
         adapter._search["job"] = SearchProcess(
             {"profile": observed.to_dict(), "plan": current.to_dict(), "gain": gain,
-             "current_s": current_s, **_pacing(adapter.search_cpu_share)}
+             "current_s": current_s, "device_gain": getattr(strategy, "device_gain", DEVICE_GAIN),
+             **_pacing(adapter.search_cpu_share)}
         )  # fmt: skip
     why = (
         f"searching a plan for the links as measured, in the background on rank "

@@ -10,13 +10,15 @@ priority (``nice 19``) and, under a quota, spends at most ``share`` of each peri
 the rest to the training process and its communication threads.
 
 Request and outcome are JSON files in a temporary folder: the request holds the observed
-profile, the running plan and the margin; the outcome is :meth:`ReplanChoice.to_dict` or
-``{"error": ...}``. ``python -m lightning_deepcee.adapter.search_process FOLDER`` runs one.
+profile, the running plan, the margin and the strategy's ``device_gain``; the outcome is
+:meth:`ReplanChoice.to_dict` or ``{"error": ...}``.
+``python -m lightning_deepcee.adapter.search_process FOLDER`` runs one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -41,15 +43,18 @@ def run(request: Mapping[str, Any]) -> dict[str, Any]:
     """The search itself: ``choose_replan`` on the request's profile and plan, as a dict."""
     from lightning_deepcee.adapter.replan import choose_replan
     from lightning_deepcee.planner.plan import Plan
+    from lightning_deepcee.planner.search import DEVICE_GAIN, plan_search
     from lightning_deepcee.profiler.data import ClusterProfile
 
     profile = ClusterProfile.from_dict(request["profile"])
     current = Plan.from_dict(request["plan"])
     clocked = request.get("current_s")
+    device_gain = float(request.get("device_gain", DEVICE_GAIN))
     return choose_replan(
         profile,
         current,
         gain=float(request["gain"]),
+        search=functools.partial(plan_search, device_gain=device_gain),
         current_s=None if clocked is None else float(clocked),
     ).to_dict()
 

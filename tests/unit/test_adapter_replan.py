@@ -533,3 +533,19 @@ def test_the_clock_keeps_a_plan_whose_steps_did_not_slow() -> None:
     adapter._decide(trainer, strategy, [slow])
     assert adapter._search is not None and adapter.decisions[-1]["kind"] == "replan-search"
     adapter.on_train_end(trainer, None)  # type: ignore[arg-type]
+
+
+def test_the_search_process_plans_with_the_strategys_device_gain() -> None:
+    from lightning_deepcee.adapter.search_process import run
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_subsets import _two_zones
+
+    # At 10 MB/s both zones are predicted under 20% faster than zone A alone.
+    profile = _two_zones(1e7)
+    current = plan_search(profile, num_blocks=8, global_batch_size=32, device_gain=0.0)
+    request = {"profile": profile.to_dict(), "plan": current.to_dict(), "gain": 0.1}
+    kept = run({**request, "device_gain": 0.0})
+    assert not kept["apply"] and "running layout again" in kept["reason"], kept["reason"]
+    fewer = Plan.from_dict(run({**request, "device_gain": 0.2})["plan"])
+    assert fewer.ranks == (0, 1), fewer.format_table()
