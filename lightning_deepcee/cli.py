@@ -40,7 +40,7 @@ def _plan(args: argparse.Namespace) -> int:
         global_batch_size=args.global_batch_size,
         schedules=tuple(args.schedules.split(",")),
         beam_width=args.beam_width,
-        device_gain=args.device_gain,
+        **({} if args.device_gain is None else {"device_gain": args.device_gain}),
     )
     print(plan.format_table())
     plan.to_json(args.out)
@@ -75,8 +75,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from lightning_deepcee.planner.search import DEVICE_GAIN
-
     parser = argparse.ArgumentParser(prog="deepcee", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     cons = sub.add_parser(
@@ -117,9 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument(
         "--device-gain",
         type=float,
-        default=DEVICE_GAIN,
         help="use more devices only when predicted at least this fraction faster "
-        "(default: %(default)s)",
+        "(default: plan_search's device_gain)",
     )
     plan.add_argument("--out", default="plan.json", help="where to write the plan (JSON)")
     plan.add_argument(

@@ -17,7 +17,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_deepcee.adapter.replan import placement_key
 from lightning_deepcee.adapter.search_process import SearchProcess
-from lightning_deepcee.planner.search import DEVICE_GAIN
 
 if TYPE_CHECKING:
     from lightning_deepcee.adapter.callback import DynamicEnvironmentAdapter
@@ -69,7 +68,7 @@ def start_replan(
     if strategy.global_rank == adapter._search["searcher"]:
         adapter._search["job"] = SearchProcess(
             {"profile": observed.to_dict(), "plan": current.to_dict(), "gain": gain,
-             "current_s": current_s, "device_gain": getattr(strategy, "device_gain", DEVICE_GAIN),
+             "current_s": current_s, "device_gain": strategy.device_gain,
              **_pacing(adapter.search_cpu_share)}
         )  # fmt: skip
     why = (

@@ -185,13 +185,10 @@ def plan_search(
     full = {}
     for ranks in finalists:
         full[ranks] = search(restrict(profile, ranks))
-    fastest = min(plan.predicted_step_time_s for plan in full.values())
+    faster = min(full, key=lambda ranks: full[ranks].predicted_step_time_s)
+    within = full[faster].predicted_step_time_s * (1 + device_gain)
     best_ranks = min(
-        (
-            ranks
-            for ranks in full
-            if full[ranks].predicted_step_time_s <= fastest * (1 + device_gain)
-        ),
+        (ranks for ranks in full if full[ranks].predicted_step_time_s <= within),
         key=lambda ranks: (len(ranks), full[ranks].predicted_step_time_s),
     )
     best = full[best_ranks]
@@ -202,7 +199,6 @@ def plan_search(
     else:
         with_every = f"{scored[everyone] * 1e3:.2f} ms (quick search)"
     idle = [r for r in everyone if r not in best_ranks]
-    faster = min(full, key=lambda ranks: full[ranks].predicted_step_time_s)
     more = ""
     if faster != best_ranks:  # a larger set is predicted faster, by less than device_gain
         if faster != everyone:
