@@ -619,6 +619,11 @@ def render(result: dict[str, Any]) -> str:
         f"{cfg['microbatches']}; {when}.",
         "",
     ]
+    if cfg.get(model, {}).get("pipeline_blocks") == "sublayer":
+        lines[-1:-1] = [
+            "Every system trains the same model and weights; the pipelines see each layer's "
+            "attention and MLP as blocks of their own, so a stage may end mid-layer.",
+        ]
     deepcee = _stats(systems.get("deepcee", {}).get("runs", []))
     if deepcee and best:
         lines += [

@@ -30,17 +30,22 @@ __all__ = [
 # Sizes (parameters of lightning_deepcee.demo.GPT with vocab 96). ``n_layer`` is 10 so that the
 # 12 blocks (embed + 10 layers + head) split evenly into 6 ranks x 2 virtual stages for
 # ScheduleInterleavedZeroBubble on cee6.
-GPT_PRESETS: dict[str, dict[str, int]] = {
+GPT_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layer=10, n_embd=64, n_head=4, block_size=64),  # ~0.5M parameters
     "small": dict(n_layer=10, n_embd=128, n_head=4, block_size=64),  # ~2.0M
     "medium": dict(n_layer=10, n_embd=256, n_head=8, block_size=64),  # ~7.9M
     # ~5.2M parameters over 32-token windows: the 5-20M model with a step that the
     # lab's slowest devices (6% of two cores) finish in seconds.
     "gpt5m": dict(n_layer=10, n_embd=208, n_head=8, block_size=32),
+    # The same model and weights, listed to the pipeline as 22 blocks (each layer's attention
+    # and MLP apart), so stages can end mid-layer: devices of very different speeds balance.
+    "gpt5m-sublayer": dict(
+        n_layer=10, n_embd=208, n_head=8, block_size=32, pipeline_blocks="sublayer"
+    ),
 }
 
 # ConvNet sizes: 12 blocks (stem + 10 residual blocks + head), like the GPT presets.
-CNN_PRESETS: dict[str, dict[str, int]] = {
+CNN_PRESETS: dict[str, dict[str, Any]] = {
     "small": dict(width=32, num_blocks=10, downsample_every=4),  # ~0.88M parameters
     "medium": dict(width=64, num_blocks=10, downsample_every=4),  # ~3.5M
 }

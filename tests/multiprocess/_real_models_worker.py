@@ -27,7 +27,7 @@ from hf_gpt2 import HFGPT2
 from resnet18 import ResNet18Classifier
 
 from lightning_deepcee import DeepCEEStrategy, consolidate_checkpoint
-from lightning_deepcee.demo import synthetic_images
+from lightning_deepcee.demo import GPT, synthetic_images
 
 GPT2_SIZES: dict[str, Any] = {
     "vocab_size": 64,
@@ -44,6 +44,12 @@ def make_model(cfg: dict[str, Any]) -> pl.LightningModule:
     if cfg["model"] == "gpt2":
         tie = cfg.get("tie", True)
         return HFGPT2(**GPT2_SIZES, dropout=0.0, tie_word_embeddings=tie, learning_rate=1e-2)
+    if cfg["model"] == "demo-gpt":  # the same token batches as GPT-2
+        sizes = {k: GPT2_SIZES[k] for k in ("vocab_size", "n_layer", "n_head", "n_embd")}
+        return GPT(
+            **sizes, block_size=GPT2_SIZES["n_positions"], dropout=0.0, learning_rate=1e-2,
+            pipeline_blocks=cfg.get("pipeline_blocks", "layer"),
+        )  # fmt: skip
     if cfg["model"] == "resnet":
         return ResNet18Classifier(num_classes=10, width=cfg.get("width", 64), learning_rate=1e-3)
     raise ValueError(f"unknown model {cfg['model']!r}")
@@ -52,7 +58,7 @@ def make_model(cfg: dict[str, Any]) -> pl.LightningModule:
 def make_loader(cfg: dict[str, Any]) -> DataLoader[Any]:
     """Fixed batches in a fixed order (no shuffling), the same on every process."""
     batch_size, num_samples = cfg.get("batch_size", 8), cfg.get("num_samples", 32)
-    if cfg["model"] == "gpt2":
+    if cfg["model"] in ("gpt2", "demo-gpt"):
         g = torch.Generator().manual_seed(1)
         seq_len = GPT2_SIZES["n_positions"]
         tokens = torch.randint(0, GPT2_SIZES["vocab_size"], (num_samples, seq_len + 1), generator=g)

@@ -107,7 +107,7 @@ def _key_bias_apart(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     n = int(GPT2_SIZES["n_embd"])
     out = dict(state)
     for name, value in state.items():
-        if name.endswith("attn.c_attn.bias"):  # [query, key, value] biases, n each
+        if name.endswith(("attn.c_attn.bias", "attn.qkv.bias")):  # [query, key, value], n each
             out[name] = torch.cat([value[:n], value[2 * n :]])
             out[f"{name}[key]"] = value[n : 2 * n]
     return out
@@ -175,6 +175,23 @@ def test_hf_gpt2_tied_embeddings_across_stages(tmp_path: Path) -> None:
     reference.eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, reference(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_demo_gpt_stages_that_end_mid_layer(tmp_path: Path) -> None:
+    """The demo GPT with ``pipeline_blocks="sublayer"``: 6 blocks [embed, attn0, mlp0, attn1,
+    mlp1, head] on 3 stages [embed, attn0] | [mlp0, attn1] | [mlp1, head], so both cuts fall
+    inside a transformer layer; zero-bubble, batches of 8 rows in 3 micro-batches (3, 3, 2):
+    every weight equals one process training on the whole batches."""
+    cfg = {"name": "sublayer", "model": "demo-gpt", "pipeline_blocks": "sublayer",
+           "partition": [2, 2, 2], "schedule": "zb-h1", "num_microbatches": 3,
+           "steps": 4}  # fmt: skip
+    _launch(3, [cfg], tmp_path)
+    parts = _ranks(tmp_path / "sublayer", 3)
+    assert any(k.startswith("blocks.0.attn.") for k in parts[0])
+    assert not any(k.startswith("blocks.0.mlp.") for k in parts[0])
+    assert any(k.startswith("blocks.0.mlp.") for k in parts[1])
+    _, ref = _reference(cfg)
+    _assert_gpt2_equal(_merged(parts), ref)
 
 
 def test_resnet18_batchnorm_exact_with_one_microbatch(tmp_path: Path) -> None:
