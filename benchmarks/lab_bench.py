@@ -701,10 +701,11 @@ def render(result: dict[str, Any]) -> str:
         lines += [
             "",
             "Set-up on rank 0 before the first step (`DeepCEE: set-up` line), in seconds: "
-            "profiling (the slowest device's block timings, then the links), planning, building.",
+            "profiling (the slowest device's block timings, then the links), planning, building, "
+            "the plan trial (blank: none ran).",
             "",
-            "| system | run | set-up | profile | blocks | network | plan | build |",
-            "|---|---|---|---|---|---|---|---|",
+            "| system | run | set-up | profile | blocks | network | plan | build | trial |",
+            "|---|---|---|---|---|---|---|---|---|",
             *setups,
         ]
     return "\n".join(lines) + "\n"
@@ -712,12 +713,12 @@ def render(result: dict[str, Any]) -> str:
 
 def _setup_row(system: str, run: dict[str, Any]) -> str:
     parts = run["setup_s"]
-    total = sum(v for k, v in parts.items() if k in ("profile", "plan", "build"))
+    total = sum(v for k, v in parts.items() if k in ("profile", "plan", "build", "trial"))
     cells = [f"{parts[k]:.1f}" if k in parts else "" for k in SETUP_PARTS]
     return f"| {system} | {run.get('run', '?')} | {total:.1f} | " + " | ".join(cells) + " |"
 
 
-SETUP_PARTS = ("profile", "profile_blocks", "profile_network", "plan", "build")
+SETUP_PARTS = ("profile", "profile_blocks", "profile_network", "plan", "build", "trial")
 """Keys of a run's ``setup_s`` (``DeepCEEStrategy.setup_seconds``), in the table's order."""
 
 

@@ -18,16 +18,41 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_deepcee.profiler import ClusterProfile, DeviceGroups
+from lightning_deepcee.runtime.measure import device_identity
 from lightning_deepcee.runtime.stage import PipelineSpec
 
 __all__ = [
     "SetupTimer",
+    "check_versions",
     "format_cluster",
     "print_everywhere",
     "summarise_whole_model",
     "warn_once_per_job",
     "warn_unrun_steps",
 ]
+
+
+def check_versions(world_size: int) -> list[str]:
+    """Every rank must run the same versions: a mismatch fails early, naming the ranks.
+    Returns every rank's host name (the same exchange), for errors that name a lost device.
+    Collective."""
+    import lightning
+    import torch
+
+    from lightning_deepcee import __version__
+
+    mine = {"lightning_deepcee": __version__, "torch": torch.__version__}
+    mine["lightning"] = lightning.__version__
+    gathered_all: list[tuple[dict[str, str], str] | None] = [None] * world_size
+    dist.all_gather_object(gathered_all, (mine, device_identity()))
+    gathered = [entry[0] for entry in gathered_all if entry is not None]
+    differing = {r: v for r, v in enumerate(gathered) if v != gathered[0]}
+    if differing:
+        raise RuntimeError(
+            f"DeepCEEStrategy: package versions differ across ranks: rank 0 has "
+            f"{gathered[0]}, but {differing}. Install the same versions everywhere."
+        )
+    return [entry[1] for entry in gathered_all if entry is not None]
 
 
 def warn_once_per_job(messages: list[str], world_size: int) -> None:

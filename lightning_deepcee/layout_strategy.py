@@ -347,7 +347,7 @@ class PipelineLayoutStrategy(DDPStrategy):
                 f"DeepCEEStrategy.apply_plan: the new plan cannot replace the running layout. {exc}"
             ) from None
 
-    def apply_plan(self, plan: Plan, trainer: pl.Trainer) -> None:
+    def apply_plan(self, plan: Plan, trainer: pl.Trainer, why: str = "re-planned") -> None:
         """Switch to ``plan`` between two steps: move blocks, with their optimizer state, live.
 
         Every rank calls it together, at a step boundary (a callback's ``on_train_batch_end``,
@@ -375,7 +375,7 @@ class PipelineLayoutStrategy(DDPStrategy):
 
         Cost: the state of the blocks that change owner crosses the links from their old to their
         new owners, pickled on the host; every rank waits until the move is done, so it must
-        finish within ``timeout_s``.
+        finish within ``timeout_s``. ``why`` opens the log line.
         """
         self.check_plan(plan)
         began = time.perf_counter()
@@ -405,7 +405,7 @@ class PipelineLayoutStrategy(DDPStrategy):
         self._restore_blocks()
         self._build(plan, trainer, [received[stage] for stage in sorted(received)])
         rank_zero_info(
-            f"DeepCEE: re-planned at step {trainer.global_step}, moved the training state "
+            f"DeepCEE: {why} at step {trainer.global_step}, moved the training state "
             f"({figures.item() / 1e6:.2f} MB sent point to point) in "
             f"{time.perf_counter() - began:.2f} s:\n  before: {before}\n  after:  "
             f"{layout_line(plan, self.num_microbatches)}"

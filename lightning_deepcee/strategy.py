@@ -37,12 +37,14 @@ from typing_extensions import override
 from lightning_deepcee._gc import GcFreeze
 from lightning_deepcee.console import (
     SetupTimer,
+    check_versions,
     print_everywhere,
     summarise_whole_model,
     warn_unrun_steps,
 )
 from lightning_deepcee.elastic_strategy import ElasticStrategy
 from lightning_deepcee.loaders import real_batch, stand_in_warning
+from lightning_deepcee.plan_trial import trial_plans
 from lightning_deepcee.planner import DEVICE_GAIN, Plan, plan_search
 from lightning_deepcee.profiler import ClusterProfile, DeviceGroups
 from lightning_deepcee.profiling import profile_at_setup
@@ -70,7 +72,7 @@ from lightning_deepcee.runtime.liveness import (
     is_communication_failure,
     report_failure,
 )
-from lightning_deepcee.runtime.measure import device_identity, model_fingerprint
+from lightning_deepcee.runtime.measure import model_fingerprint
 from lightning_deepcee.runtime.stage import tied_parameters
 from lightning_deepcee.runtime.ties import sync_copies
 from lightning_deepcee.runtime.transport import all_reduce_
@@ -146,6 +148,10 @@ class DeepCEEStrategy(ElasticStrategy):
             the previous checkpoint the newest complete one). ``False`` blocks until committed.
         device_gain: the automatic plan uses more devices than another only when predicted at
             least this fraction faster (``plan_search``); 0 takes the fastest prediction.
+        plan_trial: the automatic plan and up to ``plan_trial - 1`` near layouts predicted within
+            10% of it (the cost model cannot rank them) each run a few steps at setup on the
+            first batch, without optimizer steps, and the fastest by the clock trains
+            (``plan_trial.py``); 1 trains the searched plan untimed.
     """
 
     strategy_name = "deepcee"
@@ -170,6 +176,7 @@ class DeepCEEStrategy(ElasticStrategy):
         freeze_gc: bool = True,
         async_checkpoint: bool = True,
         device_gain: float = DEVICE_GAIN,
+        plan_trial: int = 4,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -204,6 +211,8 @@ class DeepCEEStrategy(ElasticStrategy):
             raise ValueError(f"DeepCEEStrategy(profile_rounds={rounds!r}) must be an integer >= 1.")
         if isinstance(device_gain, bool) or not 0 <= device_gain < 1:
             raise ValueError(f"DeepCEEStrategy(device_gain={device_gain!r}) must be in [0, 1).")
+        if isinstance(plan_trial, bool) or not isinstance(plan_trial, int) or plan_trial < 1:
+            raise ValueError(f"DeepCEEStrategy(plan_trial={plan_trial!r}) must be an integer >= 1.")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -230,6 +239,7 @@ class DeepCEEStrategy(ElasticStrategy):
         self.receive_ahead = receive_ahead
         self.freeze_gc = freeze_gc
         self.async_checkpoint, self.device_gain = async_checkpoint, device_gain
+        self.plan_trial = plan_trial
         self._gc = GcFreeze()
         self.ranges: list[tuple[int, int]] = []
         self.spec: PipelineSpec | None = None
@@ -260,33 +270,10 @@ class DeepCEEStrategy(ElasticStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._check_versions()
+        self._hosts = check_versions(self.world_size)
         store = default_store()
         if store is not None and self.world_size > 1:
             self._heartbeat = Heartbeat(store, self.global_rank, interval_s=HEARTBEAT_S).start()
-
-    def _check_versions(self) -> None:
-        """Every rank must run the same versions: a mismatch fails early, naming the ranks.
-
-        The same exchange collects every rank's host name, for errors that name a lost device.
-        """
-        import lightning
-
-        from lightning_deepcee import __version__
-
-        mine = {"lightning_deepcee": __version__, "torch": torch.__version__}
-        mine["lightning"] = lightning.__version__
-        gathered_all: list[tuple[dict[str, str], str] | None] = [None] * self.world_size
-        host = device_identity()
-        dist.all_gather_object(gathered_all, (mine, host))
-        gathered = [entry[0] for entry in gathered_all if entry is not None]
-        self._hosts = [entry[1] for entry in gathered_all if entry is not None]
-        differing = {r: v for r, v in enumerate(gathered) if v != gathered[0]}
-        if differing:
-            raise RuntimeError(
-                f"DeepCEEStrategy: package versions differ across ranks: rank 0 has "
-                f"{gathered[0]}, but {differing}. Install the same versions everywhere."
-            )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -318,6 +305,9 @@ class DeepCEEStrategy(ElasticStrategy):
             plan = self._initial_plan(len(spec.blocks), fitting)
         with timer("build"):
             self._build(plan, trainer)
+        if fitting and self.plan_arg == "auto" and self.plan_trial > 1:
+            with timer("trial"):
+                trial_plans(self, trainer, self.plan_trial)
         if fitting:
             timer.report(trainer)
             self.setup_seconds = timer.flat()

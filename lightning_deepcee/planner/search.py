@@ -263,7 +263,7 @@ def _search_devices(
         if other != name
     )
     notes = f"{note}chosen: {name}; other candidates: {others or 'none fit'}{fitted_note}"
-    return _to_plan(profile, best, global_batch_size, notes)
+    return plan_from_candidate(profile, best, global_batch_size, notes)
 
 
 def make_plan(
@@ -293,7 +293,9 @@ def make_plan(
     structure = tuple(tuple(int(r) for r in ranks) for ranks in stage_ranks)
     ranges = tuple((int(a), int(b)) for a, b in block_ranges)
     scored = context.evaluate(structure, ranges, schedule, num_microbatches)
-    return None if scored is None else _to_plan(profile, scored, global_batch_size, notes)
+    return (
+        None if scored is None else plan_from_candidate(profile, scored, global_batch_size, notes)
+    )
 
 
 def baseline_plans(
@@ -312,14 +314,15 @@ def baseline_plans(
         profile, global_batch_size, schedules, microbatch_candidates, memory_check, config
     )
     return {
-        name: _to_plan(profile, scored, global_batch_size, name)
+        name: plan_from_candidate(profile, scored, global_batch_size, name)
         for name, scored in _baselines(context, max_iter).items()
     }
 
 
-def _to_plan(
+def plan_from_candidate(
     profile: ClusterProfile, scored: Candidate, global_batch_size: int, notes: str
 ) -> Plan:
+    """The :class:`Plan` of a scored candidate (with a compact schedule's fitted actions)."""
     p = scored.prediction
     actions = None
     if scored.stage_schedule is not None:

@@ -47,6 +47,7 @@ def _trainer(cfg: dict[str, Any], root: Path, **overrides: Any) -> pl.Trainer:
         verbose=cfg.get("verbose", False),
         process_group_backend=cfg.get("backend"),
         receive_ahead=cfg.get("receive_ahead", True),
+        plan_trial=cfg.get("plan_trial", 4),
     )
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     kwargs: dict[str, Any] = dict(
@@ -97,6 +98,53 @@ def _callbacks(cfg: dict[str, Any]) -> list[pl.Callback]:
             DynamicEnvironmentAdapter(calibration_steps=2, window=2, react_after=1, min_bytes=1)
         )
     return callbacks
+
+
+def _watch_trial(slow_searched: bool, layout: list[list[Any]] | None) -> dict[str, Any]:
+    """Record what the setup's plan trial does on this rank: the plan it started from, each
+    candidate's timing, whether the random generators came back unchanged. ``slow_searched``
+    adds a second to the searched plan's timing, so that a rival is chosen and moved to;
+    ``layout`` (``[[ranks, [start, end]], ...]``) stands in for the search's plan (the tiny
+    model alone would be planned on one device, which has no rivals)."""
+    import lightning_deepcee.plan_trial as plan_trial
+    import lightning_deepcee.strategy as strategy_module
+    from lightning_deepcee.planner import make_plan
+
+    record: dict[str, Any] = {"calls": []}
+    if layout is not None:
+
+        def plan_search(profile: Any, *, global_batch_size: int, **_: Any) -> Any:
+            return make_plan(
+                profile,
+                [ranks for ranks, _ in layout],
+                [tuple(blocks) for _, blocks in layout],
+                schedule="1f1b",
+                num_microbatches=2,
+                global_batch_size=global_batch_size,
+            )
+
+        strategy_module.plan_search = plan_search  # type: ignore[assignment]
+    timed, trial = plan_trial._time_steps, plan_trial.trial_plans
+
+    def time_steps(strategy: Any, batch: Any) -> float | None:
+        seconds = timed(strategy, batch)
+        first = not record["calls"]
+        record["calls"].append(seconds)
+        return seconds + 1.0 if seconds is not None and first and slow_searched else seconds
+
+    def trial_plans(strategy: Any, trainer: pl.Trainer, count: int) -> Any:
+        record["searched"] = strategy.plan.to_dict()
+        before = torch.get_rng_state().clone()
+        chosen = trial(strategy, trainer, count)
+        record["rng_restored"] = bool(torch.equal(before, torch.get_rng_state()))
+        record["grads_dropped"] = all(
+            p.grad is None for p in strategy.lightning_module.parameters()
+        )
+        return chosen
+
+    plan_trial._time_steps = time_steps  # type: ignore[assignment]
+    strategy_module.trial_plans = trial_plans  # type: ignore[assignment]
+    return record
 
 
 def _save_params(model: torch.nn.Module, path: Path) -> None:
@@ -164,8 +212,12 @@ def run(cfg: dict[str, Any], out: Path) -> None:
         _save_params(model, target / f"rank{rank}.pt")
         return
     trainer = _trainer(cfg, target)
+    trial = _watch_trial(cfg.get("trial_slow_searched", False), cfg.get("searched_layout"))
     trainer.fit(model, loader)
     _save_params(model, target / f"rank{rank}.pt")
+    if trial["calls"] or cfg.get("record_trial"):
+        trial["trained"] = trainer.strategy.plan.to_dict()
+        (target / f"rank{rank}_trial.json").write_text(json.dumps(trial))
     if cfg.get("validate_after"):  # validate and test the trained pipeline, same trainer
         logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
         (target / f"rank{rank}_train_metrics.json").write_text(json.dumps(logged))

@@ -29,3 +29,11 @@ def test_device_gain_default_and_bad_values() -> None:
     for bad in (-0.1, 1.0, True):
         with pytest.raises(ValueError, match=r"device_gain=.*must be in \[0, 1\)"):
             DeepCEEStrategy(device_gain=bad)
+
+
+def test_plan_trial_default_and_bad_values() -> None:
+    assert DeepCEEStrategy().plan_trial == 4
+    assert DeepCEEStrategy(plan_trial=1).plan_trial == 1
+    for bad in (0, -1, True, 2.0, "3"):
+        with pytest.raises(ValueError, match=rf"plan_trial={bad!r}\) must be an integer >= 1"):
+            DeepCEEStrategy(plan_trial=bad)  # type: ignore[arg-type]

@@ -1,0 +1,186 @@
+"""The plan trial of ``DeepCEEStrategy`` set-up: the clock picks among plans the model cannot rank.
+
+The searched plan and its rivals (:func:`~lightning_deepcee.planner.rivals.rival_plans`: the
+near layouts predicted within 10% of it, inside the cost model's error) each run a few whole
+pipeline steps on the first training batch, forward and backward, no optimizer step; the
+fastest by the clock is built for training. Between candidates the strategy moves blocks with
+``apply_plan``, the re-plan path: exact, so the weights training starts from are the ones the
+searched plan would have started from.
+
+Nothing of a trial step stays: gradients are dropped, the random number generators are put back
+(dropout draws and the data loader's shuffle are as without a trial), and a model whose buffers
+a step changes (running statistics) stops the trial at its first step, with its buffers put
+back, and trains on the searched plan.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_deepcee._compat import fit_dataloader
+from lightning_deepcee.planner import Plan
+from lightning_deepcee.planner.rivals import RIVAL_WITHIN, rival_plans
+from lightning_deepcee.runtime import batch_size_of, split_batch, split_sizes
+from lightning_deepcee.runtime.layout import batch_dependent_modules
+from lightning_deepcee.runtime.ties import sync_copies
+from lightning_deepcee.runtime.transport import all_reduce_
+
+if TYPE_CHECKING:
+    from lightning_deepcee.strategy import DeepCEEStrategy
+
+__all__ = ["TRIAL_STEPS", "TRIAL_WIN", "trial_plans"]
+
+TRIAL_STEPS = 3
+"""Timed steps per candidate, after one untimed step (its first transfers set up connections
+and allocate buffers)."""
+TRIAL_WIN = 0.02
+"""A rival replaces the searched plan only when its median step is this fraction faster."""
+
+
+def trial_plans(strategy: DeepCEEStrategy, trainer: pl.Trainer, count: int) -> Plan:
+    """Time the running (searched) plan and up to ``count - 1`` rivals; build the fastest and
+    return it. Collective: every rank calls it right after the searched plan is built."""
+    plan = strategy.plan
+    assert plan is not None and strategy.spec is not None
+    if count < 2 or strategy.cluster_profile is None:
+        return plan
+    found: list[dict[str, Any]] = []
+    if strategy.is_global_zero:
+        rivals = rival_plans(strategy.cluster_profile, plan, count=count - 1)
+        found = [rival.to_dict() for rival in rivals]
+    rivals = [Plan.from_dict(d) for d in strategy.broadcast(found)]
+    if not rivals:
+        rank_zero_info(
+            f"DeepCEE: plan trial: no other layout is predicted within {RIVAL_WITHIN:.0%} of "
+            "the searched plan; it runs untimed"
+        )
+        return plan
+    stateful = batch_dependent_modules(strategy.spec.blocks)
+    if stateful:
+        first = stateful[0]
+        rank_zero_info(
+            f"DeepCEE: plan trial skipped: {first.kind} in block {first.block_index} keeps "
+            "running statistics that a trial step would change; the searched plan runs"
+        )
+        return plan
+    rng = _rng_state()
+    try:
+        batch = strategy.batch_to_device(next(iter(fit_dataloader(trainer))))
+        candidates = [plan, *rivals]
+        timed: list[float] = []
+        for index, candidate in enumerate(candidates):
+            if index:
+                strategy.apply_plan(candidate, trainer, why="plan trial")
+            step_s = _time_steps(strategy, batch)
+            if step_s is None:
+                rank_zero_info(
+                    "DeepCEE: plan trial stopped: a training step changes the model's buffers; "
+                    "the searched plan runs"
+                )
+                candidates, timed = candidates[: index + 1], [*timed, float("inf")]
+                break
+            timed.append(step_s)
+        best = min(range(len(timed)), key=timed.__getitem__)
+        if timed[best] > timed[0] * (1 - TRIAL_WIN):
+            best = 0
+        if candidates[best] is not strategy.plan:
+            strategy.apply_plan(candidates[best], trainer, why="plan trial: the fastest")
+    finally:
+        _set_rng_state(rng)
+        for p in strategy.lightning_module.parameters() if strategy.lightning_module else ():
+            p.grad = None
+    rank_zero_info(_report(candidates, timed, best))
+    return candidates[best]
+
+
+def _time_steps(strategy: DeepCEEStrategy, batch: Any) -> float | None:
+    """Median seconds of a whole pipeline step after one untimed step, the mean over ranks
+    (each step ends in an all-reduce, so they differ little; every rank gets the same figure);
+    ``None`` when a step changed a buffer of this stage (the buffers are put back)."""
+    assert strategy.stage is not None
+    buffers = list(dict.fromkeys(b for block in strategy.stage.blocks for b in block.buffers()))
+    kept = [b.detach().clone() for b in buffers]
+    seconds = []
+    for _ in range(1 + TRIAL_STEPS):
+        began = time.perf_counter()
+        _step(strategy, batch)
+        seconds.append(time.perf_counter() - began)
+    changed = any(not torch.equal(b, k) for b, k in zip(buffers, kept, strict=True))
+    for b, k in zip(buffers, kept, strict=True):
+        b.data.copy_(k)
+    figures = torch.tensor(
+        [statistics.median(seconds[1:]), float(changed)],
+        dtype=torch.float64,
+        device=strategy.root_device,
+    )
+    all_reduce_(figures)
+    return None if figures[1].item() else float(figures[0].item()) / strategy.world_size
+
+
+def _step(strategy: DeepCEEStrategy, batch: Any) -> None:
+    """One training step's pipeline work (forward, backward, copies' gradient sync and the
+    step's closing all-reduce) without the optimizer; gradients dropped."""
+    assert strategy.stage is not None
+    params = strategy.stage.parameters()
+    executor = strategy._executor
+    if executor is not None:
+        total = batch_size_of(batch)
+        micro = split_batch(batch, split_sizes(total, strategy.num_microbatches))
+        executor.run(
+            micro,
+            total * strategy.num_replicas,
+            forward_context=strategy.precision_plugin.forward_context,
+        )
+    if strategy._stage_group is not None or strategy._tie_groups:
+        first = strategy.placement[strategy.stage_index][0]
+        sync_copies(
+            params, strategy._stage_group, strategy._tie_groups, strategy._synced_buffers, first
+        )
+    all_reduce_(torch.zeros(1, dtype=torch.float64, device=strategy.root_device))
+    for p in params:
+        p.grad = None
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _report(candidates: list[Plan], timed: list[float], best: int) -> str:
+    from lightning_deepcee.runtime.layout import layout_line
+
+    lines = [
+        f"DeepCEE: plan trial, {TRIAL_STEPS} timed steps each (forward and backward, no "
+        f"optimizer step; median, mean over ranks):"
+    ]
+    for index, (plan, seconds) in enumerate(zip(candidates, timed, strict=False)):
+        name = "searched" if index == 0 else f"rival {index}"
+        mark = "  <- trains" if index == best else ""
+        measured = "stopped" if seconds == float("inf") else f"{seconds * 1e3:.1f} ms"
+        lines.append(
+            f"  {name:>8}: {measured}, predicted {plan.predicted_step_time_s * 1e3:.1f} ms: "
+            f"{layout_line(plan, plan.num_microbatches)}{mark}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""Rivals of a plan: the layouts the cost model cannot tell apart from it, for the clock to judge.
+
+The cost model is right to about 10-15% on a measured profile, and a profile taken while every
+device is busy reads each device a few percent off from one setup to the next. Layouts whose
+predictions lie that close are a coin toss for the model, and a different one wins each time
+the profile is taken. :func:`rival_plans` lists them, so that setup can time each for a few
+steps (``lightning_deepcee.plan_trial``) and keep the fastest by the clock.
+
+A rival keeps the plan's devices, stage order, schedule and micro-batch count and moves block
+boundaries by at most two blocks in all (one boundary by one or two blocks, or two boundaries
+by one each). Batch shares are the cost
+model's for the new ranges, bounded by memory, so a rival fits wherever the plan does.
+
+Pure: the planner's own modules and the standard library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from lightning_deepcee.planner.candidates import Candidate, SearchContext
+from lightning_deepcee.planner.evaluator import Evaluator
+from lightning_deepcee.planner.partition import Ranges
+from lightning_deepcee.planner.plan import Plan
+from lightning_deepcee.planner.prediction import CostModelConfig
+from lightning_deepcee.planner.search import plan_from_candidate
+from lightning_deepcee.planner.subsets import lift, restrict
+from lightning_deepcee.profiler.data import ClusterProfile
+
+__all__ = ["RIVAL_WITHIN", "rival_plans"]
+
+RIVAL_WITHIN = 0.10
+"""A rival is predicted at most this fraction slower than the plan: inside the cost model's
+error on measured profiles (docs/benchmarks.md), so the model cannot rank the two."""
+
+_GENERATED_FOR_COMPACT = ("zb-h1", "1f1b")
+"""A compact plan's actions are fitted to its own ranges; its rivals run these generated kinds."""
+
+
+def rival_plans(
+    profile: ClusterProfile,
+    plan: Plan,
+    *,
+    count: int,
+    within: float = RIVAL_WITHIN,
+    config: CostModelConfig | None = None,
+    memory_check: bool = True,
+) -> list[Plan]:
+    """Up to ``count`` layouts near ``plan``, each predicted at most ``within`` slower, fastest
+    prediction first (ties: the order the moves are listed in, so the result is deterministic).
+
+    Args:
+        profile: the profile ``plan`` was searched on (the whole cluster, idle ranks included).
+        plan: a plan with one pipeline replica.
+        count: most rivals returned; 0 returns none.
+        within: the largest predicted slow-down of a rival, as a fraction of the plan's
+            prediction on ``profile``.
+        config: cost model constants (as the search used).
+        memory_check: keep only layouts predicted to fit every device's memory.
+
+    Raises:
+        ValueError: a negative ``count`` or ``within``, or a plan with several replicas.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count: expected a non-negative integer, got {count!r}")
+    if isinstance(within, bool) or not within >= 0:
+        raise ValueError(f"within: expected a non-negative fraction, got {within!r}")
+    if plan.num_replicas != 1:
+        raise ValueError("rival_plans: the plan has several data-parallel pipeline replicas")
+    if count == 0 or plan.num_stages < 2:
+        return []
+    active = sorted({r for st in plan.stages for r in st.ranks})
+    local = {rank: i for i, rank in enumerate(active)}
+    sub = restrict(profile, active)
+    schedules = _GENERATED_FOR_COMPACT if plan.schedule == "compact" else (plan.schedule,)
+    context = SearchContext(
+        Evaluator(sub, config),
+        global_batch_size=plan.global_batch_size,
+        schedules=schedules,
+        microbatch_counts=(plan.num_microbatches,),
+        memory_check=memory_check,
+    )
+    structure = tuple(tuple(local[r] for r in st.ranks) for st in plan.stages)
+    own: Ranges = tuple(st.block_range for st in plan.stages)
+    reference = Evaluator(profile, config).predict_plan(plan).step_time_s
+    limit = reference * (1 + within)
+    found: list[tuple[float, int, Candidate]] = []
+    for index, ranges in enumerate(_near(own)):
+        best: Candidate | None = None
+        for kind in schedules:
+            scored = context.evaluate(structure, ranges, kind, plan.num_microbatches)
+            if scored is not None and (best is None or scored.step_time_s < best.step_time_s):
+                best = scored
+        if best is not None and best.step_time_s <= limit:
+            found.append((best.step_time_s, index, best))
+    found.sort(key=lambda item: item[:2])
+    rivals = []
+    for step_s, _, scored in found[:count]:
+        note = (
+            f"rival of the searched plan (predicted {reference * 1e3:.2f} ms): block "
+            f"boundaries moved, predicted {step_s * 1e3:.2f} ms"
+        )
+        made = plan_from_candidate(sub, scored, plan.global_batch_size, note)
+        made = dataclasses.replace(
+            made,
+            model_fingerprint=plan.model_fingerprint,
+            cluster_fingerprint=plan.cluster_fingerprint,
+        )
+        rivals.append(lift(made, active, profile.num_devices))
+    return rivals
+
+
+def _near(ranges: Ranges) -> list[Ranges]:
+    """Every partition whose block boundaries lie at most two blocks away from those of
+    ``ranges`` in all (one boundary by one or two, or two boundaries by one each), in a fixed
+    order, without ``ranges`` itself."""
+    cuts = [start for start, _ in ranges[1:]]
+    n = ranges[-1][1]
+    shifts: list[dict[int, int]] = []
+    for i in range(len(cuts)):
+        shifts += [{i: d} for d in (-2, -1, 1, 2)]
+        for j in range(i + 1, len(cuts)):
+            shifts += [{i: a, j: b} for a in (-1, 1) for b in (-1, 1)]
+    out: list[Ranges] = []
+    for shift in shifts:
+        bounds = (0, *(c + shift.get(k, 0) for k, c in enumerate(cuts)), n)
+        if all(a < b for a, b in itertools.pairwise(bounds)):
+            out.append(tuple(itertools.pairwise(bounds)))
+    return out

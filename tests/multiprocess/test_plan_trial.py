@@ -1,0 +1,72 @@
+"""The plan trial at setup: the clock chooses among near plans, and training stays exact.
+
+One torchrun job (4 processes) trains ``TinyNet`` with ``DeepCEEStrategy()`` (profile, plan,
+trial; the search's plan is a fixed 4-stage layout, as the tiny model alone would be planned on
+one device): once as it runs, once with the searched plan's timing made a second slower so that a
+rival is chosen and the blocks move to it before the first step, and once with BatchNorm (the
+trial must not run: a step would change the running statistics). Parameters must equal one
+process on the whole batch; the trial must leave the random generators and gradients as it
+found them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_lightning_equivalence import _assert_equal, _launch, _merged, _reference
+
+from lightning_deepcee.planner import Plan
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD = 4
+
+
+def _records(directory: Path) -> list[dict]:
+    return [json.loads((directory / f"rank{r}_trial.json").read_text()) for r in range(WORLD)]
+
+
+def _layout(plan: dict) -> list:
+    return [[st["block_range"], st["ranks"]] for st in plan["stages"]]
+
+
+def test_the_trial_times_near_plans_and_training_stays_exact(tmp_path: Path) -> None:
+    layout = [[[0], [0, 2]], [[1], [2, 3]], [[2], [3, 5]], [[3], [5, 6]]]
+    configs = [
+        {"name": "trial", "steps": 3, "searched_layout": layout},
+        {"name": "rival", "steps": 3, "searched_layout": layout, "trial_slow_searched": True},
+        {"name": "off", "steps": 3, "plan_trial": 1, "record_trial": True},
+        {
+            "name": "bn",
+            "steps": 2,
+            "batch_norm": True,
+            "record_trial": True,
+            "searched_layout": layout,
+        },
+    ]
+    _launch(WORLD, configs, tmp_path)
+    for name in ("trial", "rival", "off"):
+        _assert_equal(_merged(tmp_path / name, WORLD), _reference(3))
+    for name in ("trial", "rival"):
+        records = _records(tmp_path / name)
+        for record in records:
+            # The searched plan and at least one rival were timed on every rank, the same count.
+            assert len(record["calls"]) >= 2, record
+            assert len(record["calls"]) == len(records[0]["calls"])
+            assert all(isinstance(s, float) and s > 0 for s in record["calls"]), record
+            assert record["rng_restored"] and record["grads_dropped"], record
+            Plan.from_dict(record["trained"])
+    rival = _records(tmp_path / "rival")[0]
+    # A second added to the searched plan's timing: a rival trains, on other block ranges.
+    assert _layout(rival["trained"]) != _layout(rival["searched"]), rival
+    assert "rival" in rival["trained"]["notes"], rival["trained"]["notes"]
+    # plan_trial=1 and a BatchNorm model: no candidate is timed.
+    for name in ("off", "bn"):
+        for record in _records(tmp_path / name):
+            assert record["calls"] == [], record
