@@ -1,8 +1,10 @@
 """The plan trial of ``DeepCEEStrategy`` set-up: the clock picks among plans the model cannot rank.
 
-The searched plan and its rivals (:func:`~lightning_deepcee.planner.rivals.rival_plans`: the
-near layouts predicted within 10% of it, inside the cost model's error) each run a few whole
-pipeline steps on the first training batch, forward and backward, no optimizer step; the
+The searched plan and its rivals, predicted within 10% of it (inside the cost model's error):
+the search's best plans of another structure (another device set, stage count, schedule or
+micro-batch count; ``plan_search(alternatives=...)``) and the near layouts (block boundaries
+moved; :func:`~lightning_deepcee.planner.rivals.choose_rivals`), each run a few
+whole pipeline steps on the first training batch, forward and backward, no optimizer step; the
 fastest by the clock is built for training. Between candidates the strategy moves blocks with
 ``apply_plan``, the re-plan path: exact, so the weights training starts from are the ones the
 searched plan would have started from.
@@ -27,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_deepcee._compat import fit_dataloader
 from lightning_deepcee.planner import Plan
-from lightning_deepcee.planner.rivals import RIVAL_WITHIN, rival_plans
+from lightning_deepcee.planner.rivals import RIVAL_WITHIN, choose_rivals, pick_timed
 from lightning_deepcee.runtime import batch_size_of, split_batch, split_sizes
 from lightning_deepcee.runtime.layout import batch_dependent_modules
 from lightning_deepcee.runtime.ties import sync_copies
@@ -36,13 +38,11 @@ from lightning_deepcee.runtime.transport import all_reduce_
 if TYPE_CHECKING:
     from lightning_deepcee.strategy import DeepCEEStrategy
 
-__all__ = ["TRIAL_STEPS", "TRIAL_WIN", "trial_plans"]
+__all__ = ["TRIAL_STEPS", "trial_plans"]
 
 TRIAL_STEPS = 3
 """Timed steps per candidate, after one untimed step (its first transfers set up connections
 and allocate buffers)."""
-TRIAL_WIN = 0.02
-"""A rival replaces the searched plan only when its median step is this fraction faster."""
 
 
 def trial_plans(strategy: DeepCEEStrategy, trainer: pl.Trainer, count: int) -> Plan:
@@ -54,7 +54,9 @@ def trial_plans(strategy: DeepCEEStrategy, trainer: pl.Trainer, count: int) -> P
         return plan
     found: list[dict[str, Any]] = []
     if strategy.is_global_zero:
-        rivals = rival_plans(strategy.cluster_profile, plan, count=count - 1)
+        rivals = choose_rivals(
+            strategy.cluster_profile, plan, strategy.plan_alternatives, count - 1
+        )
         found = [rival.to_dict() for rival in rivals]
     rivals = [Plan.from_dict(d) for d in strategy.broadcast(found)]
     if not rivals:
@@ -88,9 +90,8 @@ def trial_plans(strategy: DeepCEEStrategy, trainer: pl.Trainer, count: int) -> P
                 candidates, timed = candidates[: index + 1], [*timed, float("inf")]
                 break
             timed.append(step_s)
-        best = min(range(len(timed)), key=timed.__getitem__)
-        if timed[best] > timed[0] * (1 - TRIAL_WIN):
-            best = 0
+        stopped = timed[-1] == float("inf")
+        best = 0 if stopped else pick_timed(candidates, timed, strategy.device_gain)
         if candidates[best] is not strategy.plan:
             strategy.apply_plan(candidates[best], trainer, why="plan trial: the fastest")
     finally:

@@ -148,10 +148,10 @@ class DeepCEEStrategy(ElasticStrategy):
             the previous checkpoint the newest complete one). ``False`` blocks until committed.
         device_gain: the automatic plan uses more devices than another only when predicted at
             least this fraction faster (``plan_search``); 0 takes the fastest prediction.
-        plan_trial: the automatic plan and up to ``plan_trial - 1`` near layouts predicted within
-            10% of it (the cost model cannot rank them) each run a few steps at setup on the
-            first batch, without optimizer steps, and the fastest by the clock trains
-            (``plan_trial.py``); 1 trains the searched plan untimed.
+        plan_trial: the automatic plan and up to ``plan_trial - 1`` rivals predicted within 10%
+            of it (the search's runners-up, near layouts: the cost model cannot rank them) each
+            run a few steps at setup on the first batch, without optimizer steps, and the clock
+            picks what trains (``plan_trial.py``); 1 trains the searched plan untimed.
     """
 
     strategy_name = "deepcee"
@@ -250,6 +250,8 @@ class DeepCEEStrategy(ElasticStrategy):
         self._stage_group: Any = None
         self.plan: Plan | None = None
         """The running layout (every layout is a Plan; a manual one has no predictions)."""
+        self.plan_alternatives: list[Plan] = []
+        """Rank 0, automatic plan: the search's other best plans, for the plan trial."""
         self._pending_grads: list[torch.Tensor | None] | None = None
         self._global_batch_size = 0
         self.last_step_stats: StepStats | None = None
@@ -366,12 +368,14 @@ class DeepCEEStrategy(ElasticStrategy):
                     "pass plan='plan.json' or a manual layout."
                 )
             found: dict[str, Any] = {}
+            self.plan_alternatives = []
             if self.is_global_zero:
                 found = plan_search(
                     self.cluster_profile,
                     num_blocks=num_blocks,
                     global_batch_size=self._global_batch_size,
                     device_gain=self.device_gain,
+                    alternatives=self.plan_alternatives,
                 ).to_dict()
             plan = Plan.from_dict(self.broadcast(found))
         rank_zero_info("DeepCEE plan:\n" + plan.format_table())

@@ -380,6 +380,13 @@ class Plan:
         return tuple(sorted((*self.ranks, *self.idle_ranks)))
 
     @property
+    def layout_key(self) -> tuple[object, ...]:
+        """What makes two plans train alike: each stage's blocks and devices, the schedule and
+        the micro-batch count (not the batch shares, predictions or notes)."""
+        stages = tuple((stage.block_range, stage.ranks) for stage in self.stages)
+        return stages, self.schedule, self.num_microbatches
+
+    @property
     def microbatch_size(self) -> float:
         """Mean samples per micro-batch (``global_batch_size / num_microbatches``)."""
         return self.global_batch_size / self.num_microbatches

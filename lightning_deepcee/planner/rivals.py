@@ -4,12 +4,13 @@ The cost model is right to about 10-15% on a measured profile, and a profile tak
 device is busy reads each device a few percent off from one setup to the next. Layouts whose
 predictions lie that close are a coin toss for the model, and a different one wins each time
 the profile is taken. :func:`rival_plans` lists them, so that setup can time each for a few
-steps (``lightning_deepcee.plan_trial``) and keep the fastest by the clock.
+steps (``lightning_deepcee.plan_trial``) and keep the fastest by the clock; :func:`choose_rivals`
+adds the search's best plans of other structures (``plan_search(alternatives=...)``).
 
-A rival keeps the plan's devices, stage order, schedule and micro-batch count and moves block
-boundaries by at most two blocks in all (one boundary by one or two blocks, or two boundaries
-by one each). Batch shares are the cost
-model's for the new ranges, bounded by memory, so a rival fits wherever the plan does.
+A rival of :func:`rival_plans` keeps the plan's devices, stage order, schedule and micro-batch
+count and moves block boundaries by at most two blocks in all (one boundary by one or two
+blocks, or two boundaries by one each). Batch shares are the cost model's for the new ranges,
+bounded by memory, so a rival fits wherever the plan does.
 
 Pure: the planner's own modules and the standard library.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 
 from lightning_deepcee.planner.candidates import Candidate, SearchContext
 from lightning_deepcee.planner.evaluator import Evaluator
@@ -28,11 +30,15 @@ from lightning_deepcee.planner.search import plan_from_candidate
 from lightning_deepcee.planner.subsets import lift, restrict
 from lightning_deepcee.profiler.data import ClusterProfile
 
-__all__ = ["RIVAL_WITHIN", "rival_plans"]
+__all__ = ["RIVAL_WITHIN", "TRIAL_WIN", "choose_rivals", "pick_timed", "rival_plans"]
 
 RIVAL_WITHIN = 0.10
 """A rival is predicted at most this fraction slower than the plan: inside the cost model's
 error on measured profiles (docs/benchmarks.md), so the model cannot rank the two."""
+
+TRIAL_WIN = 0.02
+"""A timed plan replaces the searched one (index 0 of :func:`pick_timed`) only when its step is
+this fraction faster: timings of a few steps differ by a percent or two from run to run."""
 
 _GENERATED_FOR_COMPACT = ("zb-h1", "1f1b")
 """A compact plan's actions are fitted to its own ranges; its rivals run these generated kinds."""
@@ -109,6 +115,50 @@ def rival_plans(
         )
         rivals.append(lift(made, active, profile.num_devices))
     return rivals
+
+
+def choose_rivals(
+    profile: ClusterProfile, plan: Plan, alternatives: Sequence[Plan], count: int
+) -> list[Plan]:
+    """Up to ``count`` plans to time against ``plan``, each predicted within ``RIVAL_WITHIN``
+    of it, fastest prediction first: the search's best alternatives of another structure
+    (device set, stages, schedule or micro-batch count; up to half the places, the fastest),
+    the near layouts of :func:`rival_plans` in the other places, any places left to the other
+    alternatives. Each layout once, never ``plan``'s own."""
+    reference = plan.predicted_step_time_s
+    limit = reference * (1 + RIVAL_WITHIN)
+    seen = {plan.layout_key}
+    others = []
+    for other in sorted(alternatives, key=lambda p: p.predicted_step_time_s):
+        if other.predicted_step_time_s <= limit and other.layout_key not in seen:
+            seen.add(other.layout_key)
+            note = (
+                f"alternative of the search, another structure: predicted "
+                f"{other.predicted_step_time_s * 1e3:.2f} ms (the searched plan "
+                f"{reference * 1e3:.2f} ms)"
+            )
+            others.append(dataclasses.replace(other, notes=note))
+    first = others[: (count + 1) // 2]
+    near = [p for p in rival_plans(profile, plan, count=count) if p.layout_key not in seen]
+    chosen = [*first, *near, *others[len(first) :]][:count]
+    return sorted(chosen, key=lambda p: p.predicted_step_time_s)
+
+
+def pick_timed(plans: Sequence[Plan], seconds: Sequence[float], device_gain: float) -> int:
+    """Which of the timed ``plans`` trains (index 0: the searched plan): the search's rule on
+    the clock's figures. Of the plans within ``device_gain`` of the fastest step, those with
+    the fewest active devices (an extra device must pay for its links and its failures); of
+    them the fastest, unless the searched plan is among them and within ``TRIAL_WIN``."""
+    if not plans or len(plans) != len(seconds):
+        raise ValueError(f"pick_timed: {len(plans)} plans and {len(seconds)} timings")
+    fastest = min(seconds)
+    eligible = [i for i, s in enumerate(seconds) if s <= fastest * (1 + device_gain)]
+    fewest = min(len(plans[i].ranks) for i in eligible)
+    pool = [i for i in eligible if len(plans[i].ranks) == fewest]
+    best = min(pool, key=lambda i: seconds[i])
+    if 0 in pool and seconds[best] > seconds[0] * (1 - TRIAL_WIN):
+        return 0
+    return best
 
 
 def _near(ranges: Ranges) -> list[Ranges]:

@@ -97,6 +97,7 @@ def plan_search(
     max_stages: int | None = None,
     choose_devices: bool = True,
     device_gain: float = DEVICE_GAIN,
+    alternatives: list[Plan] | None = None,
 ) -> Plan:
     """Search for the plan with the lowest predicted step time, on the best set of devices.
 
@@ -127,6 +128,10 @@ def plan_search(
             at least this fraction faster (0.05: 5%). A smaller gain is inside the cost model's
             error, and every extra device adds links whose bandwidth can fall and a device that
             can fail; 0 takes the fastest prediction whatever its size.
+        alternatives: when given, filled with the best plans of the other candidates the search
+            scored in full (the other fully searched device set, the other candidate kinds,
+            schedules and micro-batch counts on each), each once, fastest prediction first; the
+            plan trial times those the cost model cannot rank against the result.
 
     Returns:
         The best plan; its ``notes`` name the candidate kind and the baselines' predictions,
@@ -154,15 +159,18 @@ def plan_search(
         config=config,
         max_stages=max_stages,
     )
+    found: list[Plan] = [] if alternatives is None else alternatives
     if not choose_devices or profile.num_devices == 1:
-        return search(profile)
+        best = search(profile, others=found)
+        _keep_others(found, best)
+        return best
     # Every candidate device set gets a quick search (one generated schedule, a beam of one, one
     # refinement round), most promising first and only while its compute bound can still beat
     # the best quick plan; the best sets then get the full search.
     generated = tuple(k for k in schedules if k != "compact")
     large = profile.num_devices > LARGE_CLUSTER
     quick = functools.partial(
-        search, schedules=generated[:1], beam_width=1, max_iter=min(max_iter, 1)
+        search, schedules=generated[:1], beam_width=1, max_iter=min(max_iter, 1), others=None
     )
     full_searches = 1 if large else FULL_SEARCHES
     everyone = tuple(range(profile.num_devices))
@@ -182,9 +190,11 @@ def plan_search(
     if not scored:
         return search(profile)  # raises the whole cluster's reason
     finalists = sorted(scored, key=scored.__getitem__)[:full_searches]
-    full = {}
+    full: dict[tuple[int, ...], Plan] = {}
+    others: dict[tuple[int, ...], list[Plan]] = {}
     for ranks in finalists:
-        full[ranks] = search(restrict(profile, ranks))
+        others[ranks] = []
+        full[ranks] = search(restrict(profile, ranks), others=others[ranks])
     faster = min(full, key=lambda ranks: full[ranks].predicted_step_time_s)
     within = full[faster].predicted_step_time_s * (1 + device_gain)
     best_ranks = min(
@@ -192,6 +202,10 @@ def plan_search(
         key=lambda ranks: (len(ranks), full[ranks].predicted_step_time_s),
     )
     best = full[best_ranks]
+    for ranks in full:
+        mine = [*([] if ranks == best_ranks else [full[ranks]]), *others[ranks]]
+        found += [lift(p, ranks, profile.num_devices) for p in mine]
+    _keep_others(found, lift(best, best_ranks, profile.num_devices))
     if best_ranks == everyone:
         return best
     if everyone in full:
@@ -213,6 +227,18 @@ def plan_search(
     return lift(best, best_ranks, profile.num_devices, notes)
 
 
+def _keep_others(found: list[Plan], best: Plan) -> None:
+    """Sort ``found`` by prediction, each layout once (its fastest), without ``best``'s."""
+    seen = {best.layout_key}
+    kept = []
+    for plan in sorted(found, key=lambda p: p.predicted_step_time_s):
+        key = plan.layout_key
+        if key not in seen:
+            seen.add(key)
+            kept.append(plan)
+    found[:] = kept
+
+
 def _search_devices(
     profile: ClusterProfile,
     *,
@@ -227,8 +253,10 @@ def _search_devices(
     grouping: GroupingConfig | None,
     config: CostModelConfig | None,
     max_stages: int | None,
+    others: list[Plan] | None = None,
 ) -> Plan:
-    """:func:`plan_search` on every device of ``profile``."""
+    """:func:`plan_search` on every device of ``profile``; ``others`` (when given) gets the
+    best plan of every other finalist and of the next best layouts."""
     if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
         raise ValueError(f"beam_width: expected a positive integer, got {beam_width!r}")
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
@@ -257,12 +285,16 @@ def _search_devices(
             key=lambda item: item[1].step_time_s,
         )
         name, best, fitted_note = fit_compact_pool(context, pool, name, best)
-    others = ", ".join(
+    listed = ", ".join(
         f"{other}={scored.step_time_s * 1e3:.2f} ms"
         for other, scored in sorted(finalists.items())
         if other != name
     )
-    notes = f"{note}chosen: {name}; other candidates: {others or 'none fit'}{fitted_note}"
+    notes = f"{note}chosen: {name}; other candidates: {listed or 'none fit'}{fitted_note}"
+    if others is not None:
+        for kind, scored in [*finalists.items(), *(("deepcee", s) for s in layouts[1:8])]:
+            if scored is not best:
+                others.append(plan_from_candidate(profile, scored, global_batch_size, kind))
     return plan_from_candidate(profile, best, global_batch_size, notes)
 
 

@@ -100,28 +100,45 @@ def _callbacks(cfg: dict[str, Any]) -> list[pl.Callback]:
     return callbacks
 
 
-def _watch_trial(slow_searched: bool, layout: list[list[Any]] | None) -> dict[str, Any]:
+def _watch_trial(
+    slow_searched: bool, layout: list[list[Any]] | None, alternative: list[list[Any]] | None
+) -> dict[str, Any]:
     """Record what the setup's plan trial does on this rank: the plan it started from, each
     candidate's timing, whether the random generators came back unchanged. ``slow_searched``
     adds a second to the searched plan's timing, so that a rival is chosen and moved to;
     ``layout`` (``[[ranks, [start, end]], ...]``) stands in for the search's plan (the tiny
-    model alone would be planned on one device, which has no rivals)."""
+    model alone would be planned on one device, which has no rivals), and ``alternative`` (on
+    fewer ranks: the others idle) for its alternative of another structure, predicted alike."""
     import lightning_deepcee.plan_trial as plan_trial
     import lightning_deepcee.strategy as strategy_module
     from lightning_deepcee.planner import make_plan
+    from lightning_deepcee.planner.subsets import lift, restrict
 
     record: dict[str, Any] = {"calls": []}
     if layout is not None:
 
-        def plan_search(profile: Any, *, global_batch_size: int, **_: Any) -> Any:
-            return make_plan(
-                profile,
-                [ranks for ranks, _ in layout],
-                [tuple(blocks) for _, blocks in layout],
+        def made(profile: Any, stages: list[list[Any]], batch: int) -> Any:
+            active = sorted({r for ranks, _ in stages for r in ranks})
+            plan = make_plan(
+                restrict(profile, active),
+                [[active.index(r) for r in ranks] for ranks, _ in stages],
+                [tuple(blocks) for _, blocks in stages],
                 schedule="1f1b",
                 num_microbatches=2,
-                global_batch_size=global_batch_size,
+                global_batch_size=batch,
             )
+            return lift(plan, active, profile.num_devices)
+
+        def plan_search(
+            profile: Any, *, global_batch_size: int, alternatives: list[Any], **_: Any
+        ) -> Any:
+            searched = made(profile, layout, global_batch_size)
+            if alternative is not None:
+                other = made(profile, alternative, global_batch_size)
+                alternatives.append(
+                    dataclasses.replace(other, predicted_step_time_s=searched.predicted_step_time_s)
+                )
+            return searched
 
         strategy_module.plan_search = plan_search  # type: ignore[assignment]
     timed, trial = plan_trial._time_steps, plan_trial.trial_plans
@@ -212,7 +229,11 @@ def run(cfg: dict[str, Any], out: Path) -> None:
         _save_params(model, target / f"rank{rank}.pt")
         return
     trainer = _trainer(cfg, target)
-    trial = _watch_trial(cfg.get("trial_slow_searched", False), cfg.get("searched_layout"))
+    trial = _watch_trial(
+        cfg.get("trial_slow_searched", False),
+        cfg.get("searched_layout"),
+        cfg.get("alternative_layout"),
+    )
     trainer.fit(model, loader)
     _save_params(model, target / f"rank{rank}.pt")
     if trial["calls"] or cfg.get("record_trial"):

@@ -3,7 +3,8 @@
 One torchrun job (4 processes) trains ``TinyNet`` with ``DeepCEEStrategy()`` (profile, plan,
 trial; the search's plan is a fixed 4-stage layout, as the tiny model alone would be planned on
 one device): once as it runs, once with the searched plan's timing made a second slower so that a
-rival is chosen and the blocks move to it before the first step, and once with BatchNorm (the
+rival is chosen and the blocks move to it before the first step, once so with the search's
+alternative on three ranks as the only rival (the fourth goes idle), and once with BatchNorm (the
 trial must not run: a step would change the running statistics). Parameters must equal one
 process on the whole batch; the trial must leave the random generators and gradients as it
 found them.
@@ -41,6 +42,15 @@ def test_the_trial_times_near_plans_and_training_stays_exact(tmp_path: Path) -> 
     configs = [
         {"name": "trial", "steps": 3, "searched_layout": layout},
         {"name": "rival", "steps": 3, "searched_layout": layout, "trial_slow_searched": True},
+        # One rival: the search's alternative on ranks 0-2, rank 3 idle (its blocks move off).
+        {
+            "name": "fewer",
+            "steps": 3,
+            "searched_layout": layout,
+            "trial_slow_searched": True,
+            "alternative_layout": [[[0], [0, 2]], [[1], [2, 4]], [[2], [4, 6]]],
+            "plan_trial": 2,
+        },
         {"name": "off", "steps": 3, "plan_trial": 1, "record_trial": True},
         {
             "name": "bn",
@@ -51,9 +61,9 @@ def test_the_trial_times_near_plans_and_training_stays_exact(tmp_path: Path) -> 
         },
     ]
     _launch(WORLD, configs, tmp_path)
-    for name in ("trial", "rival", "off"):
+    for name in ("trial", "rival", "off", "fewer"):
         _assert_equal(_merged(tmp_path / name, WORLD), _reference(3))
-    for name in ("trial", "rival"):
+    for name in ("trial", "rival", "fewer"):
         records = _records(tmp_path / name)
         for record in records:
             # The searched plan and at least one rival were timed on every rank, the same count.
@@ -66,6 +76,10 @@ def test_the_trial_times_near_plans_and_training_stays_exact(tmp_path: Path) -> 
     # A second added to the searched plan's timing: a rival trains, on other block ranges.
     assert _layout(rival["trained"]) != _layout(rival["searched"]), rival
     assert "rival" in rival["trained"]["notes"], rival["trained"]["notes"]
+    fewer = _records(tmp_path / "fewer")
+    assert all(len(record["calls"]) == 2 for record in fewer), fewer
+    assert fewer[0]["trained"]["idle_ranks"] == [3], fewer[0]["trained"]
+    assert "alternative" in fewer[0]["trained"]["notes"], fewer[0]["trained"]["notes"]
     # plan_trial=1 and a BatchNorm model: no candidate is timed.
     for name in ("off", "bn"):
         for record in _records(tmp_path / name):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from lightning_deepcee.planner import Plan, predict_plan
-from lightning_deepcee.planner.rivals import rival_plans
+from lightning_deepcee.planner.rivals import choose_rivals, pick_timed, rival_plans
 from lightning_deepcee.planner.search import make_plan, plan_search
 from lightning_deepcee.profiler.data import ClusterProfile
 
@@ -134,3 +134,86 @@ def test_a_single_stage_has_no_rivals() -> None:
     )  # fmt: skip
     assert plan is not None
     assert rival_plans(profile, plan, count=3) == []
+
+
+def _two_zones(wan: float) -> ClusterProfile:
+    """Zone A: 2 fast devices; zone B: 4 devices 4x slower."""
+    speeds = [4.0, 4.0, 1.0, 1.0, 1.0, 1.0]
+    zone = np.array([0, 0, 1, 1, 1, 1])
+    bandwidth = np.where(zone[:, None] == zone[None, :], 1e10, wan)
+    return make_profile(
+        speeds=speeds,
+        num_blocks=8,
+        bandwidth=bandwidth,
+        latency=0.001,
+        block_s=0.01,
+        activation_bytes=200_000,
+        parameter_bytes=20_000_000,
+    )
+
+
+def test_the_search_lists_its_alternatives() -> None:
+    # At 10 MB/s both zones are predicted fastest, by less than 20%: a device gain of 0.2 keeps
+    # zone A alone, and the plan on both zones is an alternative.
+    profile = _two_zones(1e7)
+    found: list[Plan] = []
+    plan = plan_search(profile, num_blocks=8, global_batch_size=32, device_gain=0.2,
+                       alternatives=found)  # fmt: skip
+    assert plan == plan_search(profile, num_blocks=8, global_batch_size=32, device_gain=0.2)
+    assert plan.ranks == (0, 1), plan.format_table()
+    assert found, "the search scored other candidates"
+    assert any(set(p.ranks) & {2, 3, 4, 5} for p in found), [p.ranks for p in found]
+    keys = [(tuple((s.block_range, s.ranks) for s in p.stages), p.schedule, p.num_microbatches)
+            for p in [plan, *found]]  # fmt: skip
+    assert len(set(keys)) == len(keys), "each layout once, never the plan's"
+    times = [p.predicted_step_time_s for p in found]
+    assert times == sorted(times)
+    for p in found:
+        p.check_matches(8, 6, plan.model_fingerprint, plan.cluster_fingerprint)
+        assert predict_plan(profile, p).step_time_s == pytest.approx(
+            p.predicted_step_time_s, rel=1e-9
+        )
+
+
+def test_choose_rivals_gives_half_the_places_to_other_structures() -> None:
+    profile = _two_zones(1e7)
+    found: list[Plan] = []
+    plan = plan_search(profile, num_blocks=8, global_batch_size=32, device_gain=0.2,
+                       alternatives=found)  # fmt: skip
+    limit = plan.predicted_step_time_s * 1.10
+    close = [p for p in found if p.predicted_step_time_s <= limit]
+    near = rival_plans(profile, plan, count=8)
+    chosen = choose_rivals(profile, plan, found, count=4)
+    assert len(chosen) <= 4
+    assert all(p.predicted_step_time_s <= limit * (1 + 1e-12) for p in chosen)
+    times = [p.predicted_step_time_s for p in chosen]
+    assert times == sorted(times)
+    structures = [p for p in chosen if "alternative" in p.notes]
+    assert len(structures) == min(len(close), 2 if near else 4), (len(close), len(near))
+    assert choose_rivals(profile, plan, [], count=3) == rival_plans(profile, plan, count=3)
+    assert choose_rivals(profile, plan, [plan], count=3) == rival_plans(profile, plan, count=3)
+
+
+def _on(ranks: tuple[int, ...]) -> Plan:
+    profile = _two_zones(1e7)
+    plan = make_plan(
+        profile, [list(ranks)], [(0, 8)], schedule="1f1b", num_microbatches=4,
+        global_batch_size=32,
+    )  # fmt: skip
+    assert plan is not None
+    return plan
+
+
+def test_pick_timed_applies_the_searchs_rule_to_the_clock() -> None:
+    two, three, six = _on((0, 1)), _on((0, 1, 2)), _on((0, 1, 2, 3, 4, 5))
+    # Same devices: the fastest, but the searched plan (index 0) unless beaten by 2%.
+    assert pick_timed([two, two, two], [1.0, 0.9, 0.95], device_gain=0.05) == 1
+    assert pick_timed([two, two], [1.0, 0.99], device_gain=0.05) == 0
+    # More devices must be device_gain faster; fewer devices win within it.
+    assert pick_timed([two, six], [1.0, 0.96], device_gain=0.05) == 0
+    assert pick_timed([two, six], [1.0, 0.90], device_gain=0.05) == 1
+    assert pick_timed([six, two], [0.96, 1.0], device_gain=0.05) == 1
+    assert pick_timed([six, three, two], [0.80, 0.82, 0.95], device_gain=0.05) == 1
+    assert pick_timed([six, two], [0.96, 1.0], device_gain=0.0) == 0
+    with pytest.raises(ValueError, match="2 plans and 1 timings"):
+        pick_timed([two, six], [1.0], device_gain=0.05)
