@@ -22,6 +22,7 @@ from lightning_deepcee.profiler.data import ClusterProfile
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_cost_model import make_profile
+from test_subsets import two_zones
 
 
 def _cluster(speeds: list[float], wan: float = 2e7, blocks: int = 12) -> ClusterProfile:
@@ -136,26 +137,10 @@ def test_a_single_stage_has_no_rivals() -> None:
     assert rival_plans(profile, plan, count=3) == []
 
 
-def _two_zones(wan: float) -> ClusterProfile:
-    """Zone A: 2 fast devices; zone B: 4 devices 4x slower."""
-    speeds = [4.0, 4.0, 1.0, 1.0, 1.0, 1.0]
-    zone = np.array([0, 0, 1, 1, 1, 1])
-    bandwidth = np.where(zone[:, None] == zone[None, :], 1e10, wan)
-    return make_profile(
-        speeds=speeds,
-        num_blocks=8,
-        bandwidth=bandwidth,
-        latency=0.001,
-        block_s=0.01,
-        activation_bytes=200_000,
-        parameter_bytes=20_000_000,
-    )
-
-
 def test_the_search_lists_its_alternatives() -> None:
     # At 10 MB/s both zones are predicted fastest, by less than 20%: a device gain of 0.2 keeps
     # zone A alone, and the plan on both zones is an alternative.
-    profile = _two_zones(1e7)
+    profile = two_zones(1e7)
     found: list[Plan] = []
     plan = plan_search(profile, num_blocks=8, global_batch_size=32, device_gain=0.2,
                        alternatives=found)  # fmt: skip
@@ -176,7 +161,7 @@ def test_the_search_lists_its_alternatives() -> None:
 
 
 def test_choose_rivals_gives_half_the_places_to_other_structures() -> None:
-    profile = _two_zones(1e7)
+    profile = two_zones(1e7)
     found: list[Plan] = []
     plan = plan_search(profile, num_blocks=8, global_batch_size=32, device_gain=0.2,
                        alternatives=found)  # fmt: skip
@@ -195,7 +180,7 @@ def test_choose_rivals_gives_half_the_places_to_other_structures() -> None:
 
 
 def _on(ranks: tuple[int, ...]) -> Plan:
-    profile = _two_zones(1e7)
+    profile = two_zones(1e7)
     plan = make_plan(
         profile, [list(ranks)], [(0, 8)], schedule="1f1b", num_microbatches=4,
         global_batch_size=32,

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_cost_model import make_profile
 
 
-def _two_zones(wan_bytes_per_s: float) -> ClusterProfile:
+def two_zones(wan_bytes_per_s: float) -> ClusterProfile:
     """Zone A: 2 fast devices; zone B: 4 devices 4x slower; 10 GB/s inside a zone."""
     speeds = [4.0, 4.0, 1.0, 1.0, 1.0, 1.0]
     zone = np.array([0, 0, 1, 1, 1, 1])
@@ -44,12 +44,10 @@ def _two_zones(wan_bytes_per_s: float) -> ClusterProfile:
 
 
 def test_a_slow_wan_keeps_the_fast_zone_alone() -> None:
-    plan = plan_search(_two_zones(1e6), num_blocks=8, global_batch_size=32)
+    plan = plan_search(two_zones(1e6), num_blocks=8, global_batch_size=32)
     assert set(plan.ranks) <= {0, 1}, plan.format_table()
     assert plan.idle_ranks == (2, 3, 4, 5)
-    everyone = plan_search(
-        _two_zones(1e6), num_blocks=8, global_batch_size=32, choose_devices=False
-    )
+    everyone = plan_search(two_zones(1e6), num_blocks=8, global_batch_size=32, choose_devices=False)
     assert plan.predicted_step_time_s < everyone.predicted_step_time_s
     assert "idle" in plan.notes and "with every device" in plan.notes
     plan.check_matches(8, 6, "model", "cluster")  # names all six ranks
@@ -57,15 +55,15 @@ def test_a_slow_wan_keeps_the_fast_zone_alone() -> None:
 
 
 def test_a_fast_wan_uses_both_zones() -> None:
-    plan = plan_search(_two_zones(1e10), num_blocks=8, global_batch_size=32)
+    plan = plan_search(two_zones(1e10), num_blocks=8, global_batch_size=32)
     assert set(plan.ranks) & {0, 1} and set(plan.ranks) & {2, 3, 4, 5}, plan.format_table()
 
 
 @pytest.mark.parametrize("wan", [1e6, 1e7, 3e7, 1e10])
 @pytest.mark.parametrize("gain", [0.05, 0.2])
 def test_device_gain_prefers_fewer_devices_within_the_gain(wan: float, gain: float) -> None:
-    fastest = plan_search(_two_zones(wan), num_blocks=8, global_batch_size=32, device_gain=0.0)
-    plan = plan_search(_two_zones(wan), num_blocks=8, global_batch_size=32, device_gain=gain)
+    fastest = plan_search(two_zones(wan), num_blocks=8, global_batch_size=32, device_gain=0.0)
+    plan = plan_search(two_zones(wan), num_blocks=8, global_batch_size=32, device_gain=gain)
     assert plan.predicted_step_time_s <= (1 + gain) * fastest.predicted_step_time_s
     assert len(plan.ranks) <= len(fastest.ranks)
     if len(plan.ranks) < len(fastest.ranks):
@@ -74,18 +72,18 @@ def test_device_gain_prefers_fewer_devices_within_the_gain(wan: float, gain: flo
 
 def test_a_large_device_gain_keeps_the_fast_zone() -> None:
     # At 10 MB/s both zones are fastest, by less than 20%: a gain of 0.2 keeps zone A alone.
-    fastest = plan_search(_two_zones(1e7), num_blocks=8, global_batch_size=32, device_gain=0.0)
-    plan = plan_search(_two_zones(1e7), num_blocks=8, global_batch_size=32, device_gain=0.2)
+    fastest = plan_search(two_zones(1e7), num_blocks=8, global_batch_size=32, device_gain=0.0)
+    plan = plan_search(two_zones(1e7), num_blocks=8, global_batch_size=32, device_gain=0.2)
     assert set(fastest.ranks) & {2, 3, 4, 5}
     assert plan.ranks == (0, 1), plan.format_table()
     assert fastest.predicted_step_time_s < plan.predicted_step_time_s
     assert "device_gain" in plan.notes, plan.notes
     with pytest.raises(ValueError, match="device_gain"):
-        plan_search(_two_zones(1e10), num_blocks=8, global_batch_size=32, device_gain=1.0)
+        plan_search(two_zones(1e10), num_blocks=8, global_batch_size=32, device_gain=1.0)
 
 
 def test_candidate_subsets_drop_groups_and_slow_devices() -> None:
-    profile = _two_zones(1e6)
+    profile = two_zones(1e6)
     subsets = candidate_subsets(profile, group_devices(profile))
     assert subsets[0] == (0, 1, 2, 3, 4, 5)
     assert (0, 1) in subsets and (2, 3, 4, 5) in subsets
@@ -93,7 +91,7 @@ def test_candidate_subsets_drop_groups_and_slow_devices() -> None:
 
 
 def test_restrict_and_lift_round_trip() -> None:
-    profile = _two_zones(1e6)
+    profile = two_zones(1e6)
     sub = restrict(profile, (4, 1))
     assert sub.num_devices == 2 and sub.devices[0].forward_s == profile.devices[4].forward_s
     assert sub.bandwidth_bytes_per_s[0][1] == profile.bandwidth_bytes_per_s[4][1]
