@@ -170,7 +170,7 @@ def plan_search(
     generated = tuple(k for k in schedules if k != "compact")
     large = profile.num_devices > LARGE_CLUSTER
     quick = functools.partial(
-        search, schedules=generated[:1], beam_width=1, max_iter=min(max_iter, 1), others=None
+        search, schedules=generated[:1], beam_width=1, max_iter=min(max_iter, 1)
     )
     full_searches = 1 if large else FULL_SEARCHES
     everyone = tuple(range(profile.num_devices))

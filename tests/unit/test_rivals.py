@@ -148,8 +148,7 @@ def test_the_search_lists_its_alternatives() -> None:
     assert plan.ranks == (0, 1), plan.format_table()
     assert found, "the search scored other candidates"
     assert any(set(p.ranks) & {2, 3, 4, 5} for p in found), [p.ranks for p in found]
-    keys = [(tuple((s.block_range, s.ranks) for s in p.stages), p.schedule, p.num_microbatches)
-            for p in [plan, *found]]  # fmt: skip
+    keys = [p.layout_key for p in [plan, *found]]
     assert len(set(keys)) == len(keys), "each layout once, never the plan's"
     times = [p.predicted_step_time_s for p in found]
     assert times == sorted(times)
