@@ -539,10 +539,10 @@ def test_the_search_process_plans_with_the_strategys_device_gain() -> None:
     from lightning_deepcee.adapter.search_process import run
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from test_subsets import _two_zones
+    from test_subsets import two_zones
 
     # At 10 MB/s both zones are predicted under 20% faster than zone A alone.
-    profile = _two_zones(1e7)
+    profile = two_zones(1e7)
     current = plan_search(profile, num_blocks=8, global_batch_size=32, device_gain=0.0)
     request = {"profile": profile.to_dict(), "plan": current.to_dict(), "gain": 0.1}
     kept = run({**request, "device_gain": 0.0})
