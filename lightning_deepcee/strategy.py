@@ -18,14 +18,13 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -75,7 +74,7 @@ from lightning_deepcee.runtime.liveness import (
 from lightning_deepcee.runtime.measure import model_fingerprint
 from lightning_deepcee.runtime.stage import tied_parameters
 from lightning_deepcee.runtime.ties import sync_copies
-from lightning_deepcee.runtime.transport import all_reduce_
+from lightning_deepcee.step_figures import StepFigures
 
 __all__ = ["DeepCEEStrategy"]
 
@@ -266,7 +265,7 @@ class DeepCEEStrategy(ElasticStrategy):
         """The module whose blocks ``build_stage`` split (a second setup of it restores them)."""
         self._synced_buffers: list[torch.Tensor] = []
         self._ties, self._tie_groups = [], []  # tied parameters (typed in the base class)
-        self._metric_name_list: list[str] | None = None
+        self._figures = StepFigures()
 
     # ------------------------------------------------------------------------------ setup
     @override
@@ -386,11 +385,15 @@ class DeepCEEStrategy(ElasticStrategy):
         """Run one step of ``executor``; log and return the whole batch's loss on every rank.
 
         The loss and the module's ``metrics_fn`` metrics travel in one all-reduce (each rank
-        holds its rows' weighted share); every rank logs them as ``<prefix>_loss`` and
-        ``<prefix>_<name>``, so whichever rank writes the logs has them. An idle rank (no
-        executor) computes nothing and adds zeros.
+        holds its rows' weighted share; :mod:`~lightning_deepcee.step_figures`), posted before
+        the schedule by every rank outside the last stage; every rank logs them as
+        ``<prefix>_loss`` and ``<prefix>_<name>``, so whichever rank writes the logs has them.
+        An idle rank (no executor) computes nothing and adds zeros.
         """
         total = batch_size_of(batch)
+        figures = self._figures
+        early = figures.names is not None and self.global_rank not in self.placement[-1]
+        pending = self._post_figures(batch, None, {}) if early else None
         loss: torch.Tensor | None = None
         if executor is not None:
             micro = split_batch(batch, split_sizes(total, self.num_microbatches))
@@ -401,38 +404,32 @@ class DeepCEEStrategy(ElasticStrategy):
                 total * self.num_replicas,
                 forward_context=self.precision_plugin.forward_context,
             )
-        mine = {} if executor is None else executor.last_metrics
-        names = self._metric_names(mine)
-        shares = [float(mine.get(name, 0.0)) for name in names]
-        figures = torch.tensor([0.0, 0.0, *shares], dtype=torch.float64, device=self.root_device)
-        if loss is not None:
-            figures[0] = loss.detach().double()
-        tokens_fn = self.spec.tokens_fn if self.spec is not None else None
-        # Tokens from each replica's first device (an idle rank's batch is a stand-in).
-        if tokens_fn is not None and self.global_rank in self.placement[0][: self.num_replicas]:
-            figures[1] = float(tokens_fn(batch))
-        # Every rank returns the real loss: the last-stage devices each contribute their rows.
-        all_reduce_(figures)
+        if pending is None:
+            mine = {} if executor is None else executor.last_metrics
+            figures.agree_names(mine, self.world_size)
+            pending = self._post_figures(batch, loss, mine)
+        summed = pending()  # the last-stage devices each contribute their rows
         self.last_step_samples = total * self.num_replicas
-        self.last_step_tokens = round(figures[1].item()) if tokens_fn else None
+        tokens_fn = self.spec.tokens_fn if self.spec is not None else None
+        self.last_step_tokens = round(summed[1].item()) if tokens_fn else None
         module = self.lightning_module
-        assert module is not None
+        assert module is not None and figures.names is not None
         training = prefix == "train"
-        value = figures[0].float()
+        value = summed[0].float()
         module.log(f"{prefix}_loss", value, prog_bar=True, on_step=training, on_epoch=True)
-        for name, metric in zip(names, figures[2:].float(), strict=True):
+        for name, metric in zip(figures.names, summed[2:].float(), strict=True):
             module.log(f"{prefix}_{name}", metric, on_step=training, on_epoch=True)
         return value
 
-    def _metric_names(self, metrics: dict[str, Any]) -> list[str]:
-        """The names ``metrics_fn`` returns, agreed once by every rank (only last-stage ranks
-        see them; the all-reduce needs the same list everywhere)."""
-        if self._metric_name_list is None:
-            mine = sorted(metrics)
-            gathered: list[list[str] | None] = [None] * self.world_size
-            dist.all_gather_object(gathered, mine)
-            self._metric_name_list = sorted({n for part in gathered for n in part or []})
-        return self._metric_name_list
+    def _post_figures(
+        self, batch: Any, loss: torch.Tensor | None, metrics: dict[str, Any]
+    ) -> Callable[[], torch.Tensor]:
+        """Post this rank's part of the step's figures; the callable waits for the sum."""
+        tokens_fn = self.spec.tokens_fn if self.spec is not None else None
+        # Tokens from each replica's first device (an idle rank's batch is a stand-in).
+        first = self.global_rank in self.placement[0][: self.num_replicas]
+        tokens = float(tokens_fn(batch)) if tokens_fn is not None and first else 0.0
+        return self._figures.post(loss, tokens, metrics, self.root_device)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

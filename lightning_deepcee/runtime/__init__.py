@@ -27,6 +27,7 @@ from lightning_deepcee.runtime.transport import (
     P2PTransport,
     TransferRecord,
     all_reduce_,
+    start_all_reduce,
     wire_device,
 )
 
@@ -58,5 +59,6 @@ __all__ = [
     "split_batch",
     "split_rows",
     "split_sizes",
+    "start_all_reduce",
     "wire_device",
 ]

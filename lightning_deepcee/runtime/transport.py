@@ -42,7 +42,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,7 @@ __all__ = [
     "PeerLostError",
     "TransferRecord",
     "all_reduce_",
+    "start_all_reduce",
     "wire_device",
 ]
 
@@ -115,6 +116,30 @@ def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) ->
         dist.all_reduce(staged, group=group)
         tensor.copy_(staged)
     return tensor
+
+
+def start_all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> Callable[[], torch.Tensor]:
+    """Post :func:`all_reduce_` of ``tensor`` without waiting; the returned callable waits, puts
+    the sum in ``tensor`` and returns it.
+
+    A rank that knows its part early posts it and goes on computing, so the collective does not
+    hold it until the slowest rank arrives; ``group`` should be one of the caller's own, so that
+    no other message queues behind the pending sum.
+    """
+    wire = wire_device(tensor.device, group)
+    staged = tensor if wire == tensor.device else tensor.to(wire)
+    work = dist.all_reduce(staged, group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        if work is not None:
+            work.wait()
+        if staged is not tensor:
+            tensor.copy_(staged)
+        return tensor
+
+    return finish
 
 
 @dataclass(slots=True)
