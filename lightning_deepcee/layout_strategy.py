@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -377,10 +377,23 @@ class PipelineLayoutStrategy(DDPStrategy):
         new owners, pickled on the host; every rank waits until the move is done, so it must
         finish within ``timeout_s``. ``why`` opens the log line.
         """
+        assert self.plan is not None
+        self.relayout_from(self.plan, self._live_shard, plan, trainer, why)
+
+    def relayout_from(
+        self,
+        source: Plan,
+        shard_of: Callable[[], dict[str, Any]],
+        plan: Plan,
+        trainer: pl.Trainer,
+        why: str,
+    ) -> None:
+        """:meth:`apply_plan` from ``source``, whose first device of each stage holds its part of
+        the training state in ``shard_of()``: the running layout, or one the plan trial saved
+        before building layouts whose weights are not the training state."""
         self.check_plan(plan)
         began = time.perf_counter()
-        assert self.plan is not None
-        before = layout_line(self.plan, self.num_microbatches)
+        before = layout_line(source, source.num_microbatches)
         digest = hashlib.sha256(json.dumps(plan.to_dict(), sort_keys=True).encode()).hexdigest()
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, digest)
@@ -391,14 +404,14 @@ class PipelineLayoutStrategy(DDPStrategy):
                 "every rank must pass the same plan (broadcast it from rank 0). Nothing changed."
             )
         moves = routes(
-            self.ranges,
-            self.placement,
+            [st.block_range for st in source.stages],
+            [list(st.ranks) for st in source.stages],
             [st.block_range for st in plan.stages],
             [list(st.ranks) for st in plan.stages],
             tied_blocks=[tie.blocks for tie, _ in self._ties],
         )
         sends = any(m.src == self.global_rank for m in moves)
-        shard = self._live_shard() if sends else None
+        shard = shard_of() if sends else None
         received, sent = move_shards(moves, self.global_rank, shard, self.root_device)
         figures = torch.tensor([float(sent)], dtype=torch.float64, device=self.root_device)
         all_reduce_(figures)
@@ -423,6 +436,15 @@ class PipelineLayoutStrategy(DDPStrategy):
         }
         # Pickling a CUDA tensor would unpickle it on the receiver's GPU of the same index.
         return apply_to_collection(shard, torch.Tensor, lambda t: t.detach().cpu())
+
+    def build_for_timing(self, plan: Plan, trainer: pl.Trainer) -> None:
+        """Build ``plan`` from the copies of the blocks this rank holds, moving no state (each
+        stage's replicas take its first device's copy): the weights are not the training state,
+        the shapes and the work are. The plan trial times layouts so, and then
+        :meth:`relayout_from` the layout whose state it saved. Collective."""
+        self.check_plan(plan)
+        self._restore_blocks()
+        self._build(plan, trainer)
 
     def _restore_blocks(self) -> None:
         """Put every original block back into the module (undo ``build_stage``)."""

@@ -5,9 +5,12 @@ the search's best plans of another structure (another device set, stage count, s
 micro-batch count; ``plan_search(alternatives=...)``) and the near layouts (block boundaries
 moved; :func:`~lightning_deepcee.planner.rivals.choose_rivals`), each run a few
 whole pipeline steps on the first training batch, forward and backward, no optimizer step; the
-fastest by the clock is built for training. Between candidates the strategy moves blocks with
-``apply_plan``, the re-plan path: exact, so the weights training starts from are the ones the
-searched plan would have started from.
+fastest by the clock is built for training. A rival is built from the copies of the blocks each
+rank already holds (``build_for_timing``): no state crosses the links, since a step's time
+depends on the layout and the shapes, not on the weights' values. The first device of each of
+the searched plan's stages keeps its part of the training state meanwhile, and the plan that
+trains receives it from there (``relayout_from``, the re-plan path): exact, so the weights
+training starts from are the ones the searched plan would have started from.
 
 Nothing of a trial step stays: gradients are dropped, the random number generators are put back
 (dropout draws and the data loader's shuffle are as without a trial), and a model whose buffers
@@ -20,6 +23,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -74,13 +78,15 @@ def trial_plans(strategy: DeepCEEStrategy, trainer: pl.Trainer, count: int) -> P
         )
         return plan
     rng = _rng_state()
+    # The training state of the searched layout, kept while rivals run on copies of the blocks.
+    saved = strategy._live_shard() if strategy._writes_shard else None
     try:
         batch = strategy.batch_to_device(next(iter(fit_dataloader(trainer))))
         candidates = [plan, *rivals]
         timed: list[float] = []
         for index, candidate in enumerate(candidates):
             if index:
-                strategy.apply_plan(candidate, trainer, why="plan trial")
+                strategy.build_for_timing(candidate, trainer)
             step_s = _time_steps(strategy, batch)
             if step_s is None:
                 rank_zero_info(
@@ -92,14 +98,23 @@ def trial_plans(strategy: DeepCEEStrategy, trainer: pl.Trainer, count: int) -> P
             timed.append(step_s)
         stopped = timed[-1] == float("inf")
         best = 0 if stopped else pick_timed(candidates, timed, strategy.device_gain)
-        if candidates[best] is not strategy.plan:
-            strategy.apply_plan(candidates[best], trainer, why="plan trial: the fastest")
+        if len(timed) > 1:  # a rival was built: the training state goes where it trains
+            why = "plan trial: the fastest" if best else "plan trial: the searched plan"
+            strategy.relayout_from(plan, _saved(saved), candidates[best], trainer, why)
     finally:
         _set_rng_state(rng)
         for p in strategy.lightning_module.parameters() if strategy.lightning_module else ():
             p.grad = None
     rank_zero_info(_report(candidates, timed, best))
     return candidates[best]
+
+
+def _saved(shard: dict[str, Any] | None) -> Callable[[], dict[str, Any]]:
+    def get() -> dict[str, Any]:
+        assert shard is not None, "only a stage's first device sends its shard"
+        return shard
+
+    return get
 
 
 def _time_steps(strategy: DeepCEEStrategy, batch: Any) -> float | None:

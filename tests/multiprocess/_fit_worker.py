@@ -151,6 +151,13 @@ def _watch_trial(
 
     def trial_plans(strategy: Any, trainer: pl.Trainer, count: int) -> Any:
         record["searched"] = strategy.plan.to_dict()
+        # Rivals run on each rank's copies of the blocks it does not train: spoil them, so that
+        # training stays exact only if the state comes from the searched plan's owners.
+        start, end = (0, 0) if strategy.is_idle else strategy.stage.block_range
+        with torch.no_grad():
+            for index, block in enumerate(strategy.spec.blocks):
+                for param in block.parameters() if not start <= index < end else ():
+                    param.add_(3.0)
         before = torch.get_rng_state().clone()
         chosen = trial(strategy, trainer, count)
         record["rng_restored"] = bool(torch.equal(before, torch.get_rng_state()))

@@ -7,7 +7,8 @@ rival is chosen and the blocks move to it before the first step, once so with th
 alternative on three ranks as the only rival (the fourth goes idle), and once with BatchNorm (the
 trial must not run: a step would change the running statistics). Parameters must equal one
 process on the whole batch; the trial must leave the random generators and gradients as it
-found them.
+found them. Each rank's copies of the blocks it does not train are spoilt before the trial (the
+rivals run on them), so training matches only if the state comes from the searched plan's owners.
 """
 
 from __future__ import annotations
