@@ -34,12 +34,12 @@ class StepFigures:
         """The metric names, once every rank agreed on them (:meth:`agree_names`)."""
         self._group: Any = None
 
-    def agree_names(self, metrics: dict[str, Any], world_size: int) -> list[str]:
+    def agree_names(self, metrics: dict[str, Any]) -> list[str]:
         """The names ``metrics_fn`` returns, agreed once by every rank (only last-stage ranks
         see them; the sum needs the same list everywhere). A blocking collective the first
         time: every rank calls it after its first step's schedule."""
         if self.names is None:
-            gathered: list[list[str] | None] = [None] * world_size
+            gathered: list[list[str] | None] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, sorted(metrics))
             self.names = sorted({n for part in gathered for n in part or []})
         return self.names

@@ -406,7 +406,7 @@ class DeepCEEStrategy(ElasticStrategy):
             )
         if pending is None:
             mine = {} if executor is None else executor.last_metrics
-            figures.agree_names(mine, self.world_size)
+            figures.agree_names(mine)
             pending = self._post_figures(batch, loss, mine)
         summed = pending()  # the last-stage devices each contribute their rows
         self.last_step_samples = total * self.num_replicas

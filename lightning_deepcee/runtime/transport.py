@@ -108,14 +108,7 @@ def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) ->
     Staging also keeps every rank of a mixed GPU/CPU gloo group on gloo's host algorithm
     (its CUDA and host all-reduce paths are separate implementations).
     """
-    wire = wire_device(tensor.device, group)
-    if wire == tensor.device:
-        dist.all_reduce(tensor, group=group)
-    else:
-        staged = tensor.to(wire)
-        dist.all_reduce(staged, group=group)
-        tensor.copy_(staged)
-    return tensor
+    return start_all_reduce(tensor, group)()
 
 
 def start_all_reduce(

@@ -45,7 +45,7 @@ def _worker(rank: int, init: str, out: str) -> None:
             time.sleep(0.2)
             assert message.tolist() == [3.0] * 4  # 0 + 1 + 2 along the chain
         if pending is None:
-            figures.agree_names(metrics, WORLD)
+            figures.agree_names(metrics)
             pending = figures.post(loss, tokens, metrics, torch.device("cpu"))
         began = time.perf_counter()
         sums.append(pending().tolist())
