@@ -43,8 +43,9 @@ from lightning_deepcee.console import (
 )
 from lightning_deepcee.elastic_strategy import ElasticStrategy
 from lightning_deepcee.loaders import real_batch, stand_in_warning
+from lightning_deepcee.plan_spread import spread_plan_search
 from lightning_deepcee.plan_trial import trial_plans
-from lightning_deepcee.planner import DEVICE_GAIN, Plan, plan_search
+from lightning_deepcee.planner import DEVICE_GAIN, Plan
 from lightning_deepcee.profiler import ClusterProfile, DeviceGroups
 from lightning_deepcee.profiling import profile_at_setup
 from lightning_deepcee.runtime import (
@@ -366,17 +367,14 @@ class DeepCEEStrategy(ElasticStrategy):
                     "DeepCEEStrategy plans automatically while fitting; for validate/test "
                     "pass plan='plan.json' or a manual layout."
                 )
-            found: dict[str, Any] = {}
-            self.plan_alternatives = []
-            if self.is_global_zero:
-                found = plan_search(
-                    self.cluster_profile,
-                    num_blocks=num_blocks,
-                    global_batch_size=self._global_batch_size,
-                    device_gain=self.device_gain,
-                    alternatives=self.plan_alternatives,
-                ).to_dict()
-            plan = Plan.from_dict(self.broadcast(found))
+            self.plan_alternatives = []  # rank 0's, for the plan trial
+            plan = spread_plan_search(
+                self.cluster_profile,
+                num_blocks=num_blocks,
+                global_batch_size=self._global_batch_size,
+                device_gain=self.device_gain,
+                alternatives=self.plan_alternatives,
+            )
         rank_zero_info("DeepCEE plan:\n" + plan.format_table())
         return plan
 

@@ -7,6 +7,10 @@ the global batch, the (schedule, micro-batch count) pairs, whether memory is che
 memoises per search: scored candidates, per-stage range costs and compute-balanced partitions.
 It also owns the local improvement of a layout's block boundaries (:meth:`SearchContext.refine`).
 
+A search's costliest steps are independent calls of pure functions, mapped with a
+:data:`MapFn` (:func:`serial_map` by default); a caller with idle processes passes one that
+spreads the calls over them. A context pickles without its memos, so handing it out is cheap.
+
 Pure: numpy and the standard library (no torch, no lightning).
 """
 
@@ -14,9 +18,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import numpy as np
 import numpy.typing as npt
@@ -27,11 +31,21 @@ from lightning_deepcee.planner.plan import StagePlan
 from lightning_deepcee.planner.prediction import Prediction
 from lightning_deepcee.schedule.generators import StageSchedule
 
-__all__ = ["Candidate", "SearchContext", "Structure", "improves"]
+__all__ = ["Candidate", "MapFn", "SearchContext", "Structure", "improves", "serial_map"]
 
 Structure = tuple[tuple[int, ...], ...]
 """Devices of each stage, in pipeline order."""
 Array = npt.NDArray[np.float64]
+
+MapFn = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]
+"""``map_fn(fn, items)`` returns ``[fn(item) for item in items]``, in order, however it runs
+them; ``fn`` and the items pickle (module-level functions, ``functools.partial``)."""
+
+
+def serial_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    """The default :data:`MapFn`: every call here, in order."""
+    return [fn(item) for item in items]
+
 
 _EXACT_PARTITIONS = 64
 """Structures with at most this many block partitions have all of them tried."""
@@ -58,6 +72,9 @@ def improves(trial: Candidate | None, best: Candidate) -> TypeGuard[Candidate]:
     return trial is not None and trial.step_time_s < best.step_time_s * (1 - 1e-9)
 
 
+_CONTEXT_MEMOS = frozenset({"_evaluated", "_range_cost", "_partition"})
+
+
 class SearchContext:
     """Everything one search evaluates candidates against, with memoisation."""
 
@@ -79,6 +96,10 @@ class SearchContext:
         self._evaluated: dict[tuple[Structure, Ranges, str, int], Candidate | None] = {}
         self._range_cost: dict[tuple[int, ...], Array] = {}
         self._partition: dict[Structure, Ranges | None] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The context without its memos: what a process needs to evaluate candidates."""
+        return {k: {} if k in _CONTEXT_MEMOS else v for k, v in self.__dict__.items()}
 
     @property
     def pairs(self) -> list[tuple[str, int]]:

@@ -4,21 +4,28 @@ The compact schedule (:func:`~lightning_deepcee.schedule.compact_zero_bubble`) i
 layout's own stage and link costs, so it cannot be scored like a generated kind inside the
 search: fitting costs a few greedy simulations per candidate. :func:`fit_compact_pool` fits it
 once at the end, to the few best distinct layouts, at each micro-batch count and under the
-memory limits, and takes it only where it is predicted clearly faster. It never predicts worse
-than ZB-H1 or 1F1B under the same caps.
+memory limits (one independent call per layout and count), and takes it only where it is
+predicted clearly faster. It never predicts worse than ZB-H1 or 1F1B under the same caps.
 
 Pure: numpy and the standard library (no torch, no lightning).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
-from lightning_deepcee.planner.candidates import Candidate, SearchContext, Structure
+from lightning_deepcee.planner.candidates import (
+    Candidate,
+    MapFn,
+    SearchContext,
+    Structure,
+    serial_map,
+)
 from lightning_deepcee.planner.partition import Ranges
 from lightning_deepcee.schedule.compact import compact_zero_bubble, default_max_in_flight
 
-__all__ = ["fit_compact", "fit_compact_pool"]
+__all__ = ["fit_compact_at", "fit_compact_pool"]
 
 _COMPACT_GAIN = 0.02
 """The compact schedule replaces the generated one only when predicted this much faster (its
@@ -32,55 +39,61 @@ _COMPACT_WINDOW = 1.5
 fitted (the compact schedule gains at most the bubble)."""
 
 
-def fit_compact(context: SearchContext, scored: Candidate) -> Candidate | None:
-    """The compact schedule fitted to ``scored``'s layout; the fastest over micro-batch counts.
+def fit_compact_at(context: SearchContext, job: tuple[Candidate, int]) -> Candidate | None:
+    """The compact schedule fitted to the layout of ``scored`` at ``m`` micro-batches
+    (``job = (scored, m)``); ``None`` when nothing fits there or the count's generated schedules
+    are far behind ``scored``.
 
-    At each count the layout's batch shares come from the best generated schedule there. The
-    compact schedule may hold every micro-batch in flight on every stage; when that does not fit
-    a device's memory, as many as ZB-H1 (``min(p, m)``), else as 1F1B. ``None`` for a single
-    stage or when nothing fits.
+    The layout's batch shares come from the best generated schedule at ``m``. The compact
+    schedule may hold every micro-batch in flight on every stage; when that does not fit a
+    device's memory, as many as ZB-H1 (``min(p, m)``), else as 1F1B.
     """
+    scored, m = job
     p = len(scored.structure)
-    if p < 2:
-        return None
     evaluator = context.evaluator
-    best: Candidate | None = None
-    for m in context.microbatch_counts:
-        structure, ranges = scored.structure, scored.ranges
-        evaluated = (context.evaluate(structure, ranges, k, m) for k in context.schedules)
-        fitting = [c for c in evaluated if c is not None]
-        if not fitting:
+    structure, ranges = scored.structure, scored.ranges
+    evaluated = (context.evaluate(structure, ranges, k, m) for k in context.schedules)
+    fitting = [c for c in evaluated if c is not None]
+    if not fitting:
+        return None
+    generated = min(fitting, key=lambda c: c.step_time_s)
+    if generated.step_time_s > _COMPACT_WINDOW * scored.step_time_s:
+        return None  # far behind at this count: fitting will not close the gap
+    b = context.global_batch_size / m
+    costs = evaluator.stage_costs(generated.stages, microbatch_size=b)
+    # Most micro-batches in flight first (covers the slowest hops), then ZB-H1's, 1F1B's.
+    for caps in ([m] * p, [min(p, m)] * p, default_max_in_flight(p, m)):
+        schedule = compact_zero_bubble(costs, m, max_in_flight=caps)
+        prediction = evaluator.predict(
+            generated.stages,
+            "compact",
+            m,
+            context.global_batch_size,
+            stage_schedule=schedule,
+            breakdown=False,
+        )
+        if context.memory_check and not prediction.fits_memory:
             continue
-        generated = min(fitting, key=lambda c: c.step_time_s)
-        if generated.step_time_s > _COMPACT_WINDOW * scored.step_time_s:
-            continue  # far behind at this count: fitting will not close the gap
-        b = context.global_batch_size / m
-        costs = evaluator.stage_costs(generated.stages, microbatch_size=b)
-        # Most micro-batches in flight first (covers the slowest hops), then ZB-H1's, 1F1B's.
-        for caps in ([m] * p, [min(p, m)] * p, default_max_in_flight(p, m)):
-            schedule = compact_zero_bubble(costs, m, max_in_flight=caps)
-            prediction = evaluator.predict(
-                generated.stages,
-                "compact",
-                m,
-                context.global_batch_size,
-                stage_schedule=schedule,
-                breakdown=False,
-            )
-            if context.memory_check and not prediction.fits_memory:
-                continue
-            if best is None or prediction.step_time_s < best.step_time_s:
-                best = Candidate(
-                    prediction.step_time_s,
-                    scored.structure,
-                    scored.ranges,
-                    "compact",
-                    m,
-                    generated.stages,
-                    prediction,
-                    schedule,
-                )
-            break  # the larger caps fit: the smaller ones cannot do better
+        # The larger caps fit: the smaller ones cannot do better.
+        return Candidate(
+            prediction.step_time_s,
+            scored.structure,
+            scored.ranges,
+            "compact",
+            m,
+            generated.stages,
+            prediction,
+            schedule,
+        )
+    return None
+
+
+def _fastest(fits: Sequence[Candidate | None]) -> Candidate | None:
+    """The fastest of ``fits``; the first of equals (the serial search's tie-break)."""
+    best: Candidate | None = None
+    for fitted in fits:
+        if fitted is not None and (best is None or fitted.step_time_s < best.step_time_s):
+            best = fitted
     return best
 
 
@@ -89,22 +102,32 @@ def fit_compact_pool(
     pool: Sequence[tuple[str, Candidate]],
     name: str,
     best: Candidate,
+    map_fn: MapFn = serial_map,
 ) -> tuple[str, Candidate, str]:
     """``(name, best, note)`` once the compact schedule is fitted to the pool's best layouts.
 
     ``pool`` holds named candidates, best first; the first ``_COMPACT_CANDIDATES`` distinct
-    layouts are fitted. A fit replaces ``best`` when it is predicted ``_COMPACT_GAIN`` faster
-    than its own layout's generated schedule and faster than ``best``; the note then compares
-    the two (empty otherwise).
+    layouts are fitted, each micro-batch count in one call of ``map_fn``. A fit replaces ``best``
+    when it is predicted ``_COMPACT_GAIN`` faster than its own layout's generated schedule and
+    faster than ``best``; the note then compares the two (empty otherwise).
     """
-    note = ""
+    layouts: list[tuple[str, Candidate]] = []
     seen: set[tuple[Structure, Ranges]] = set()
     for kind, scored in pool:
         layout = (scored.structure, scored.ranges)
-        if layout in seen:
+        if layout not in seen:
+            seen.add(layout)
+            layouts.append((kind, scored))
+        if len(layouts) == _COMPACT_CANDIDATES:
+            break
+    counts = context.microbatch_counts
+    jobs = [(scored, m) for _, scored in layouts if len(scored.structure) > 1 for m in counts]
+    fits = iter(map_fn(functools.partial(fit_compact_at, context), jobs))
+    note = ""
+    for kind, scored in layouts:
+        if len(scored.structure) < 2:
             continue
-        seen.add(layout)
-        fitted = fit_compact(context, scored)
+        fitted = _fastest([next(fits) for _ in counts])
         if (
             fitted is not None
             and fitted.step_time_s < scored.step_time_s * (1 - _COMPACT_GAIN)
@@ -116,6 +139,4 @@ def fit_compact_pool(
                 f"(m={scored.num_microbatches}) {scored.step_time_s * 1e3:.2f} ms"
             )
             name, best = kind, fitted
-        if len(seen) == _COMPACT_CANDIDATES:
-            break
     return name, best, note

@@ -97,6 +97,9 @@ def _row_overlaps(
     return i, j, fraction[keep]
 
 
+_EVALUATOR_MEMOS = frozenset({"_group_links", "_lowered", "_in_flight", "_transfers", "_stages"})
+
+
 class Evaluator:
     """The cost model bound to one profile and one set of constants.
 
@@ -114,6 +117,10 @@ class Evaluator:
         self._in_flight: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._transfers: dict[tuple[Any, ...], float] = {}
         self._stages: dict[tuple[Any, ...], tuple[float, ...]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The evaluator without its memos (a spread search hands it to other processes)."""
+        return {k: {} if k in _EVALUATOR_MEMOS else v for k, v in self.__dict__.items()}
 
     def check_stages(self, stages: Sequence[StagePlan]) -> None:
         """Raise ``ValueError`` unless ``stages`` cover the profile's blocks with its ranks."""

@@ -44,7 +44,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lightning_deepcee.planner.candidates import Candidate, SearchContext, Structure
+from lightning_deepcee.planner.candidates import (
+    Candidate,
+    MapFn,
+    SearchContext,
+    Structure,
+    serial_map,
+)
 from lightning_deepcee.planner.compact_fit import fit_compact_pool
 from lightning_deepcee.planner.evaluator import Evaluator
 from lightning_deepcee.planner.plan import Plan, compact_ranks
@@ -98,6 +104,7 @@ def plan_search(
     choose_devices: bool = True,
     device_gain: float = DEVICE_GAIN,
     alternatives: list[Plan] | None = None,
+    map_fn: MapFn = serial_map,
 ) -> Plan:
     """Search for the plan with the lowest predicted step time, on the best set of devices.
 
@@ -132,6 +139,10 @@ def plan_search(
             scored in full (the other fully searched device set, the other candidate kinds,
             schedules and micro-batch counts on each), each once, fastest prediction first; the
             plan trial times those the cost model cannot rank against the result.
+        map_fn: runs the full searches' independent calls (refining each of the best orders,
+            fitting the compact schedule to each layout at each micro-batch count); one that
+            spreads them over other processes (``DeepCEEStrategy`` at set-up) returns the same
+            plan sooner.
 
     Returns:
         The best plan; its ``notes`` name the candidate kind and the baselines' predictions,
@@ -158,6 +169,7 @@ def plan_search(
         grouping=grouping,
         config=config,
         max_stages=max_stages,
+        map_fn=map_fn,
     )
     found: list[Plan] = [] if alternatives is None else alternatives
     if not choose_devices or profile.num_devices == 1:
@@ -170,7 +182,11 @@ def plan_search(
     generated = tuple(k for k in schedules if k != "compact")
     large = profile.num_devices > LARGE_CLUSTER
     quick = functools.partial(
-        search, schedules=generated[:1], beam_width=1, max_iter=min(max_iter, 1)
+        search,
+        schedules=generated[:1],
+        beam_width=1,
+        max_iter=min(max_iter, 1),
+        map_fn=serial_map,  # calls of a few milliseconds: not worth handing out
     )
     full_searches = 1 if large else FULL_SEARCHES
     everyone = tuple(range(profile.num_devices))
@@ -253,6 +269,7 @@ def _search_devices(
     grouping: GroupingConfig | None,
     config: CostModelConfig | None,
     max_stages: int | None,
+    map_fn: MapFn,
     others: list[Plan] | None = None,
 ) -> Plan:
     """:func:`plan_search` on every device of ``profile``; ``others`` (when given) gets the
@@ -271,7 +288,9 @@ def _search_devices(
     baselines = _baselines(context, max_iter)
     finalists = dict(baselines)
     units, note = network_units(context, grouping, limit)
-    layouts = search_units(context, units, grouping, beam_width, max_iter, random.Random(seed))
+    layouts = search_units(
+        context, units, grouping, beam_width, max_iter, random.Random(seed), map_fn
+    )
     if layouts:
         finalists["deepcee"] = layouts[0]
     if not finalists:
@@ -284,7 +303,7 @@ def _search_devices(
             [*finalists.items(), *(("deepcee", scored) for scored in layouts[1:])],
             key=lambda item: item[1].step_time_s,
         )
-        name, best, fitted_note = fit_compact_pool(context, pool, name, best)
+        name, best, fitted_note = fit_compact_pool(context, pool, name, best, map_fn)
     listed = ", ".join(
         f"{other}={scored.step_time_s * 1e3:.2f} ms"
         for other, scored in sorted(finalists.items())

@@ -14,6 +14,7 @@ Pure: numpy, scipy and the standard library (no torch, no lightning).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -24,7 +25,14 @@ import numpy.typing as npt
 from scipy.cluster.hierarchy import fcluster, linkage
 from scipy.spatial.distance import squareform
 
-from lightning_deepcee.planner.candidates import Candidate, SearchContext, Structure, improves
+from lightning_deepcee.planner.candidates import (
+    Candidate,
+    MapFn,
+    SearchContext,
+    Structure,
+    improves,
+    serial_map,
+)
 from lightning_deepcee.profiler.grouping import (
     GroupingConfig,
     group_by_compute,
@@ -166,9 +174,11 @@ def search_units(
     beam_width: int,
     max_iter: int,
     rng: random.Random,
+    map_fn: MapFn = serial_map,
 ) -> list[Candidate]:
     """Beam over unit orders, then refine, then try second-level splits; the refined layouts,
-    best first (empty when none fits)."""
+    best first (empty when none fits). Each chosen order is refined and split in one call of
+    ``map_fn`` (the orders are independent)."""
     # Score the beam with the (schedule, m) that suits the capability-descending order best.
     capability = context.profile.capability_vector()
     default = tuple(sorted(units, key=lambda u: -float(capability[list(u)].sum())))
@@ -203,11 +213,15 @@ def search_units(
         or scored.step_time_s <= window
         or len(units) <= _REFINE_ALL_UNITS
     ]
-    split = [
-        _split_second_level(context, context.refine(scored, max_iter), grouping, max_iter)
-        for scored in chosen
-    ]
+    split = map_fn(functools.partial(_refine_and_split, context, grouping, max_iter), chosen)
     return sorted(split, key=lambda scored: scored.step_time_s)
+
+
+def _refine_and_split(
+    context: SearchContext, grouping: GroupingConfig, max_iter: int, scored: Candidate
+) -> Candidate:
+    """One order's boundary refinement, then its second-level splits."""
+    return _split_second_level(context, context.refine(scored, max_iter), grouping, max_iter)
 
 
 def _split_second_level(

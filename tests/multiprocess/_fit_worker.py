@@ -109,6 +109,7 @@ def _watch_trial(
     ``layout`` (``[[ranks, [start, end]], ...]``) stands in for the search's plan (the tiny
     model alone would be planned on one device, which has no rivals), and ``alternative`` (on
     fewer ranks: the others idle) for its alternative of another structure, predicted alike."""
+    import lightning_deepcee.plan_spread as plan_spread_module
     import lightning_deepcee.plan_trial as plan_trial
     import lightning_deepcee.strategy as strategy_module
     from lightning_deepcee.planner import make_plan
@@ -140,7 +141,7 @@ def _watch_trial(
                 )
             return searched
 
-        strategy_module.plan_search = plan_search  # type: ignore[assignment]
+        plan_spread_module.plan_search = plan_search  # type: ignore[assignment]
     timed, trial = plan_trial._time_steps, plan_trial.trial_plans
 
     def time_steps(strategy: Any, batch: Any) -> float | None:

@@ -1,0 +1,136 @@
+"""The plan search at set-up, with its independent calls spread over every rank.
+
+Every rank waits for the plan at set-up, and the search's costliest steps are independent calls
+of pure functions (:data:`~lightning_deepcee.planner.candidates.MapFn`: refining each of the best
+orders, fitting the compact schedule at each micro-batch count). Rank 0 runs the search; at each
+such step it broadcasts the function and its items, every rank computes the items assigned to it
+(more of them to the devices the profile measured faster), and rank 0 gathers the results in
+order. The plan is the serial search's: the same pure functions on the same arguments. A failure
+on any rank reaches every rank as an error, never as a wait.
+
+Strategy layer: torch.distributed and the planner's public API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from lightning_deepcee.planner import Plan, plan_search
+from lightning_deepcee.planner.candidates import MapFn, serial_map
+from lightning_deepcee.profiler.data import ClusterProfile
+
+__all__ = ["assign_calls", "spread", "spread_plan_search"]
+
+T = TypeVar("T")
+
+
+def spread_plan_search(profile: ClusterProfile, **options: Any) -> Plan:
+    """``plan_search(profile, **options)`` run by rank 0 with its independent calls spread over
+    every rank of the default group, weighted by the devices' measured capability; every rank
+    returns the plan (``options["alternatives"]``, when given, is filled on rank 0 only)."""
+    weights = [device.capability for device in sorted(profile.devices, key=lambda d: d.rank)]
+
+    def search(map_fn: MapFn) -> dict[str, Any]:
+        return plan_search(profile, map_fn=map_fn, **options).to_dict()
+
+    return Plan.from_dict(spread(search, weights))
+
+
+def spread(work: Callable[[MapFn], T], weights: Sequence[float]) -> T:
+    """``work(map_fn)`` on rank 0, whose ``map_fn`` hands each call to a rank (``weights``: one
+    per rank, higher is faster); every rank returns rank 0's result, or raises when ``work``
+    failed on rank 0 or a call failed anywhere. Without a process group of two or more ranks,
+    ``work(serial_map)``."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return work(serial_map)
+    if len(weights) != dist.get_world_size() or not all(w > 0 for w in weights):
+        raise ValueError(
+            f"weights: expected {dist.get_world_size()} positive figures (one per rank), "
+            f"got {list(weights)}"
+        )
+    if dist.get_rank() != 0:
+        return _serve()
+    try:
+        result = work(_SpreadMap(weights))
+    except Exception as error:
+        _broadcast(("done", None, f"{type(error).__name__}: {error}"))
+        raise
+    _broadcast(("done", result, None))
+    return result
+
+
+def assign_calls(count: int, weights: Sequence[float]) -> list[int]:
+    """The rank of each of ``count`` calls: each goes where it would finish first if calls took
+    alike (``(calls + 1) / weight`` smallest, the lowest rank on ties)."""
+    load = [0] * len(weights)
+    owners = []
+    for _ in range(count):
+        rank = min(range(len(weights)), key=lambda r: ((load[r] + 1) / weights[r], r))
+        load[rank] += 1
+        owners.append(rank)
+    return owners
+
+
+class _SpreadMap:
+    """Rank 0's :data:`MapFn`: announce the calls, make its own, gather the others'."""
+
+    def __init__(self, weights: Sequence[float]) -> None:
+        self.weights = list(weights)
+
+    def __call__(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        items = list(items)
+        owners = assign_calls(len(items), self.weights)
+        _broadcast(("map", fn, items, owners))
+        return _call_and_gather(fn, items, owners)
+
+
+def _serve() -> Any:
+    """A rank other than 0: make the calls rank 0 announces until it sends the result."""
+    while True:
+        message = _broadcast(None)
+        if message[0] == "map":
+            _, fn, items, owners = message
+            _call_and_gather(fn, items, owners)
+            continue
+        _, result, error = message
+        if error is not None:
+            raise RuntimeError(f"DeepCEE: the plan search failed on rank 0: {error}")
+        return result
+
+
+def _call_and_gather(
+    fn: Callable[[Any], Any], items: Sequence[Any], owners: Sequence[int]
+) -> list[Any]:
+    """This rank's calls; on rank 0 every rank's results in item order (others get [])."""
+    rank = dist.get_rank()
+    mine: list[tuple[int, Any]] = []
+    failure: str | None = None
+    for index, (item, owner) in enumerate(zip(items, owners, strict=True)):
+        if owner != rank:
+            continue
+        try:
+            mine.append((index, fn(item)))
+        except Exception as error:  # reported to rank 0, which stops every rank
+            failure = f"rank {rank}: {type(error).__name__}: {error}"
+            break
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object((mine, failure), gathered, dst=0)
+    if gathered is None:
+        return []
+    results: list[Any] = [None] * len(items)
+    for part, failed in gathered:
+        if failed is not None:
+            raise RuntimeError(f"DeepCEE: a plan-search call failed on {failed}")
+        for index, value in part:
+            results[index] = value
+    return results
+
+
+def _broadcast(message: Any) -> Any:
+    """Rank 0's ``message`` on every rank."""
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
