@@ -1,12 +1,13 @@
 """The plan search at set-up, with its independent calls spread over every rank.
 
 Every rank waits for the plan at set-up, and the search's costliest steps are independent calls
-of pure functions (:data:`~lightning_deepcee.planner.candidates.MapFn`: refining each of the best
-orders, fitting the compact schedule at each micro-batch count). Rank 0 runs the search; at each
-such step it broadcasts the function and its items, every rank computes the items assigned to it
-(more of them to the devices the profile measured faster), and rank 0 gathers the results in
-order. The plan is the serial search's: the same pure functions on the same arguments. A failure
-on any rank reaches every rank as an error, never as a wait.
+of pure functions (:class:`~lightning_deepcee.planner.candidates.MapFn`: refining each of the
+best orders, fitting the compact schedule at each micro-batch count). Rank 0 runs the search; at
+each such step it broadcasts the function and its items, every rank makes the calls assigned to
+it (costliest first, each to the device that would finish it first by the profile's
+capability), and rank 0 gathers the results in order. The plan is the serial search's: the same
+pure functions on the same arguments. A failure on any rank reaches every rank as an error,
+never as a wait.
 
 Strategy layer: torch.distributed and the planner's public API.
 """
@@ -62,15 +63,17 @@ def spread(work: Callable[[MapFn], T], weights: Sequence[float]) -> T:
     return result
 
 
-def assign_calls(count: int, weights: Sequence[float]) -> list[int]:
-    """The rank of each of ``count`` calls: each goes where it would finish first if calls took
-    alike (``(calls + 1) / weight`` smallest, the lowest rank on ties)."""
-    load = [0] * len(weights)
-    owners = []
-    for _ in range(count):
-        rank = min(range(len(weights)), key=lambda r: ((load[r] + 1) / weights[r], r))
-        load[rank] += 1
-        owners.append(rank)
+def assign_calls(costs: Sequence[float], weights: Sequence[float]) -> list[int]:
+    """The rank of each call of relative cost ``costs[i]``: costliest first, each to the rank
+    where it would finish first (``(load + cost) / weight`` smallest, the lowest rank on ties;
+    longest-processing-time-first list scheduling)."""
+    load = [0.0] * len(weights)
+    owners = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        cost = costs[index]
+        rank = min(range(len(weights)), key=lambda r: ((load[r] + cost) / weights[r], r))
+        load[rank] += cost
+        owners[index] = rank
     return owners
 
 
@@ -80,9 +83,14 @@ class _SpreadMap:
     def __init__(self, weights: Sequence[float]) -> None:
         self.weights = list(weights)
 
-    def __call__(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    def __call__(
+        self,
+        fn: Callable[[Any], Any],
+        items: Sequence[Any],
+        costs: Sequence[float] | None = None,
+    ) -> list[Any]:
         items = list(items)
-        owners = assign_calls(len(items), self.weights)
+        owners = assign_calls([1.0] * len(items) if costs is None else costs, self.weights)
         _broadcast(("map", fn, items, owners))
         return _call_and_gather(fn, items, owners)
 

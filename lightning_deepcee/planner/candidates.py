@@ -8,7 +8,7 @@ memoises per search: scored candidates, per-stage range costs and compute-balanc
 It also owns the local improvement of a layout's block boundaries (:meth:`SearchContext.refine`).
 
 A search's costliest steps are independent calls of pure functions, mapped with a
-:data:`MapFn` (:func:`serial_map` by default); a caller with idle processes passes one that
+:class:`MapFn` (:func:`serial_map` by default); a caller with idle processes passes one that
 spreads the calls over them. A context pickles without its memos, so handing it out is cheap.
 
 Pure: numpy and the standard library (no torch, no lightning).
@@ -20,7 +20,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, Protocol, TypeGuard
 
 import numpy as np
 import numpy.typing as npt
@@ -37,13 +37,24 @@ Structure = tuple[tuple[int, ...], ...]
 """Devices of each stage, in pipeline order."""
 Array = npt.NDArray[np.float64]
 
-MapFn = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]
-"""``map_fn(fn, items)`` returns ``[fn(item) for item in items]``, in order, however it runs
-them; ``fn`` and the items pickle (module-level functions, ``functools.partial``)."""
+
+class MapFn(Protocol):
+    """``map_fn(fn, items, costs)`` returns ``[fn(item) for item in items]``, in order, however
+    it runs them; ``fn`` and the items pickle (module-level functions, ``functools.partial``).
+    ``costs`` (optional) are the calls' relative costs, for a map that shares them out."""
+
+    def __call__(
+        self,
+        fn: Callable[[Any], Any],
+        items: Sequence[Any],
+        costs: Sequence[float] | None = None,
+    ) -> list[Any]: ...
 
 
-def serial_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
-    """The default :data:`MapFn`: every call here, in order."""
+def serial_map(
+    fn: Callable[[Any], Any], items: Sequence[Any], costs: Sequence[float] | None = None
+) -> list[Any]:
+    """The default :class:`MapFn`: every call here, in order."""
     return [fn(item) for item in items]
 
 

@@ -122,7 +122,9 @@ def fit_compact_pool(
             break
     counts = context.microbatch_counts
     jobs = [(scored, m) for _, scored in layouts if len(scored.structure) > 1 for m in counts]
-    fits = iter(map_fn(functools.partial(fit_compact_at, context), jobs))
+    # A fit simulates the schedule's m micro-batches on each of its greedy steps: about m^2.
+    costs = [float(m * m) for _, m in jobs]
+    fits = iter(map_fn(functools.partial(fit_compact_at, context), jobs, costs))
     note = ""
     for kind, scored in layouts:
         if len(scored.structure) < 2:

@@ -25,7 +25,13 @@ class PicklingMap:
     def __init__(self) -> None:
         self.sizes: list[int] = []
 
-    def __call__(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    def __call__(
+        self,
+        fn: Callable[[Any], Any],
+        items: Sequence[Any],
+        costs: Sequence[float] | None = None,
+    ) -> list[Any]:
+        assert costs is None or len(costs) == len(items)
         self.sizes.append(len(items))
         remote = pickle.loads(pickle.dumps(fn))
         done = {
@@ -85,10 +91,27 @@ def test_a_context_pickles_without_its_memos() -> None:
 
 
 def test_calls_go_to_the_faster_devices() -> None:
-    assert assign_calls(4, [1.0, 1.0]) == [0, 1, 0, 1]
-    owners = assign_calls(9, [2.0, 1.0, 0.25])
+    assert assign_calls([1.0] * 4, [1.0, 1.0]) == [0, 1, 0, 1]
+    owners = assign_calls([1.0] * 9, [2.0, 1.0, 0.25])
     assert [owners.count(r) for r in range(3)] == [6, 3, 0]
-    assert assign_calls(0, [1.0]) == []
+    assert assign_calls([], [1.0]) == []
+
+
+def test_the_costliest_calls_go_first_to_the_fastest_devices() -> None:
+    costs, weights = [1.0, 1.0, 8.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], [2.0, 1.0, 0.5]
+
+    def makespan(owners: list[int]) -> float:
+        loads = [0.0] * len(weights)
+        for cost, rank in zip(costs, owners, strict=True):
+            loads[rank] += cost
+        return max(load / w for load, w in zip(loads, weights, strict=True))
+
+    owners = assign_calls(costs, weights)
+    assert owners[2] == 0  # the costly call on the fastest rank
+    # Sharing out by cost beats sharing out by count (which sends the costly call to rank 1).
+    by_count = assign_calls([1.0] * len(costs), weights)
+    assert by_count[2] == 1
+    assert makespan(owners) == 5.0 < makespan(by_count)
 
 
 def test_without_a_process_group_the_work_runs_here() -> None:

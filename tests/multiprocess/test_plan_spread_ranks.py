@@ -76,7 +76,7 @@ def test_spread_over_three_ranks(tmp_path: Path) -> None:
     init = f"file://{tmp_path / 'store'}"
     mp.start_processes(_worker, args=(init, str(tmp_path)), nprocs=WORLD, start_method="spawn")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    owners = assign_calls(8, WEIGHTS)
+    owners = assign_calls([1.0] * 8, WEIGHTS)
     assert sorted(set(owners)) == [0, 1, 2]
     expected = [[[i * i, owners[i]] for i in range(8)], []]
     profile = _profile()
@@ -87,4 +87,6 @@ def test_spread_over_three_ranks(tmp_path: Path) -> None:
         assert "ArithmeticError: item" in got["call_failed"], rank
         assert "rank 2" in got["call_failed"], rank
         assert "LookupError: no plan fits" in got["work_failed"], rank
-        assert got["after"] == [[i * i, assign_calls(3, WEIGHTS)[i]] for i in range(3)], rank
+        assert got["after"] == [[i * i, assign_calls([1.0] * 3, WEIGHTS)[i]] for i in range(3)], (
+            rank
+        )
