@@ -78,7 +78,8 @@ def assign_calls(costs: Sequence[float], weights: Sequence[float]) -> list[int]:
 
 
 class _SpreadMap:
-    """Rank 0's :data:`MapFn`: announce the calls, make its own, gather the others'."""
+    """Rank 0's :class:`~lightning_deepcee.planner.candidates.MapFn`: announce the calls, make
+    its own, gather the others'."""
 
     def __init__(self, weights: Sequence[float]) -> None:
         self.weights = list(weights)
