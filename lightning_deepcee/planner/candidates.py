@@ -31,7 +31,16 @@ from lightning_deepcee.planner.plan import StagePlan
 from lightning_deepcee.planner.prediction import Prediction
 from lightning_deepcee.schedule.generators import StageSchedule
 
-__all__ = ["Candidate", "MapFn", "SearchContext", "Structure", "improves", "serial_map"]
+__all__ = [
+    "MAX_MEMORY_COUNT",
+    "Candidate",
+    "MapFn",
+    "SearchContext",
+    "Structure",
+    "improves",
+    "memory_counts",
+    "serial_map",
+]
 
 Structure = tuple[tuple[int, ...], ...]
 """Devices of each stage, in pipeline order."""
@@ -56,6 +65,34 @@ def serial_map(
 ) -> list[Any]:
     """The default :class:`MapFn`: every call here, in order."""
     return [fn(item) for item in items]
+
+
+MAX_MEMORY_COUNT = 1024
+"""The most micro-batches :func:`memory_counts` proposes: a step's simulation grows with the
+count, and 1024 micro-batches are one sample each at a global batch of 1024."""
+
+
+def memory_counts(top: int, global_batch_size: int) -> tuple[int, ...]:
+    """Micro-batch counts above ``top`` to try when a layout fits at no count up to ``top``:
+    divisors of the global batch, each at least twice the one before, up to the batch itself
+    (one sample per micro-batch) or ``MAX_MEMORY_COUNT``. Smaller micro-batches hold fewer
+    activations, so a large global batch on few devices can need more of them than a search
+    usually tries."""
+    divisors = sorted(
+        {
+            d
+            for k in range(1, math.isqrt(global_batch_size) + 1)
+            if global_batch_size % k == 0
+            for d in (k, global_batch_size // k)
+        }
+    )
+    found: list[int] = []
+    for m in divisors:
+        if m > MAX_MEMORY_COUNT:
+            break
+        if m >= 2 * (found[-1] if found else top):
+            found.append(m)
+    return tuple(found)
 
 
 _EXACT_PARTITIONS = 64
@@ -104,6 +141,11 @@ class SearchContext:
         self.schedules = tuple(schedules)
         self.microbatch_counts = tuple(microbatch_counts)
         self.memory_check = memory_check
+        self.memory_counts = (
+            memory_counts(max(self.microbatch_counts), global_batch_size) if memory_check else ()
+        )
+        """Micro-batch counts above ``microbatch_counts`` for layouts that fit at none of them
+        (see :func:`memory_counts`)."""
         self._evaluated: dict[tuple[Structure, Ranges, str, int], Candidate | None] = {}
         self._range_cost: dict[tuple[int, ...], Array] = {}
         self._partition: dict[Structure, Ranges | None] = {}
@@ -156,9 +198,23 @@ class SearchContext:
         )
 
     def best_over_pairs(self, structure: Structure, ranges: Ranges) -> Candidate | None:
-        """The layout's fastest (schedule, micro-batch count); ``None`` when none fits."""
+        """The layout's fastest (schedule, micro-batch count); ``None`` when none fits.
+
+        When it fits at no count of ``microbatch_counts``, the :attr:`memory_counts` are tried
+        in order and the first count where it fits is taken."""
+        best = self._fastest(structure, ranges, self.pairs)
+        if best is None:
+            for m in self.memory_counts:
+                best = self._fastest(structure, ranges, [(k, m) for k in self.schedules])
+                if best is not None:
+                    break
+        return best
+
+    def _fastest(
+        self, structure: Structure, ranges: Ranges, pairs: Sequence[tuple[str, int]]
+    ) -> Candidate | None:
         best: Candidate | None = None
-        for schedule, m in self.pairs:
+        for schedule, m in pairs:
             scored = self.evaluate(structure, ranges, schedule, m)
             if scored is not None and (best is None or scored.step_time_s < best.step_time_s):
                 best = scored

@@ -120,8 +120,17 @@ def fit_compact_pool(
             layouts.append((kind, scored))
         if len(layouts) == _COMPACT_CANDIDATES:
             break
-    counts = context.microbatch_counts
-    jobs = [(scored, m) for _, scored in layouts if len(scored.structure) > 1 for m in counts]
+    # A layout that needed more micro-batches than the search's counts to fit is fitted there.
+    counts = {
+        id(scored): sorted({*context.microbatch_counts, scored.num_microbatches})
+        for _, scored in layouts
+    }
+    jobs = [
+        (scored, m)
+        for _, scored in layouts
+        if len(scored.structure) > 1
+        for m in counts[id(scored)]
+    ]
     # A fit simulates the schedule's m micro-batches on each of its greedy steps: about m^2.
     costs = [float(m * m) for _, m in jobs]
     fits = iter(map_fn(functools.partial(fit_compact_at, context), jobs, costs))
@@ -129,7 +138,7 @@ def fit_compact_pool(
     for kind, scored in layouts:
         if len(scored.structure) < 2:
             continue
-        fitted = _fastest([next(fits) for _ in counts])
+        fitted = _fastest([next(fits) for _ in counts[id(scored)]])
         if (
             fitted is not None
             and fitted.step_time_s < scored.step_time_s * (1 - _COMPACT_GAIN)

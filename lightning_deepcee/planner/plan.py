@@ -208,6 +208,18 @@ class Plan:
     idle_ranks: tuple[int, ...] = ()
     """Ranks of the cluster that hold no stage: they stay in the job (a later plan may use them)
     but compute nothing. ``notes`` says why (the predicted step with and without them)."""
+    compute_bound_s: float | None = None
+    """The compute bound of the devices the plan uses: the global batch's compute spread over
+    their summed speed, with no bubble, transfer, fixed per-call cost or optimizer step. No plan
+    on these devices can step faster. Set by the planner; ``None`` on a hand-made plan."""
+    cluster_bound_s: float | None = None
+    """The same bound over every device of the cluster, idle ones included."""
+    step_parts_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Where the predicted step goes, in seconds, summing to it (set by the planner):
+    ``"bound"`` (``compute_bound_s``), ``"imbalance"`` (the busiest stage's compute above the
+    bound: uneven stages and fixed per-micro-batch costs), ``"stalls"`` (bubbles and dependency
+    waits), ``"transfers"`` (activation hops not hidden behind compute), ``"allreduce"``,
+    ``"optimizer"`` and ``"cpu_quota"`` (what a CPU quota adds above the rest)."""
 
     def __post_init__(self) -> None:
         stages = self.stages
@@ -283,6 +295,18 @@ class Plan:
                     f"({sorted(seen)}) mapped to a non-negative integer, got {value!r}"
                 )
             memory_by_rank[int(rank)] = int(value)
+        for name in ("compute_bound_s", "cluster_bound_s"):
+            value = getattr(self, name)
+            if value is not None:
+                if not _is_real(value) or not math.isfinite(value) or value <= 0:
+                    raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+                object.__setattr__(self, name, float(value))
+        parts = self.step_parts_s
+        if not isinstance(parts, Mapping) or not all(
+            isinstance(k, str) and _is_real(v) and math.isfinite(v) for k, v in parts.items()
+        ):
+            raise ValueError(f"step_parts_s: expected a mapping name -> seconds, got {parts!r}")
+        object.__setattr__(self, "step_parts_s", {k: float(v) for k, v in parts.items()})
         for name in ("model_fingerprint", "cluster_fingerprint", "notes"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name}: expected a string, got {getattr(self, name)!r}")
@@ -466,6 +490,12 @@ class Plan:
             **({"stage_actions": list(self.stage_actions)} if self.stage_actions else {}),
             **({"num_replicas": self.num_replicas} if self.num_replicas != 1 else {}),
             **({"idle_ranks": list(self.idle_ranks)} if self.idle_ranks else {}),
+            **{
+                name: getattr(self, name)
+                for name in ("compute_bound_s", "cluster_bound_s")
+                if getattr(self, name) is not None
+            },
+            **({"step_parts_s": dict(self.step_parts_s)} if self.step_parts_s else {}),
         }
 
     @classmethod
@@ -492,6 +522,32 @@ class Plan:
     def from_json(cls, path: str | os.PathLike[str]) -> Plan:
         """Read a file written by :meth:`to_json`."""
         return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+    def format_bound(self) -> str:
+        """How far the prediction is from the compute bounds, and where the step goes (empty
+        when the planner did not set them)."""
+        if self.compute_bound_s is None:
+            return ""
+        step = self.predicted_step_time_s
+        used = len(self.ranks)
+        text = (
+            f"compute bound: {self.compute_bound_s * 1e3:.2f} ms on its {used} devices "
+            f"(predicted step at {self.compute_bound_s / step:.0%} of it)"
+        )
+        if self.cluster_bound_s is not None:
+            total = used + len(self.idle_ranks)
+            text += (
+                f", {self.cluster_bound_s * 1e3:.2f} ms on all {total} devices "
+                f"({self.cluster_bound_s / step:.0%})"
+            )
+        if self.step_parts_s:
+            parts = ", ".join(
+                f"{name} {seconds * 1e3:.2f} ms ({seconds / step:.0%})"
+                for name, seconds in self.step_parts_s.items()
+                if seconds * 1e3 >= 0.005
+            )
+            text += f"\nwhere the step goes: {parts}"
+        return text
 
     def format_table(self) -> str:
         """A summary line and one row per stage: blocks, ranks, shares, peak memory."""
@@ -525,6 +581,9 @@ class Plan:
         if self.idle_ranks:
             summary += f" idle={compact_ranks(self.idle_ranks)}"
         out = [summary, *lines]
+        bound = self.format_bound()
+        if bound:
+            out.append(bound)
         if self.notes:
             out.append(f"notes: {self.notes}")
         return "\n".join(out)

@@ -37,6 +37,8 @@ Pure: numpy, scipy and the standard library (no torch, no lightning).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import math
 import random
@@ -172,10 +174,11 @@ def plan_search(
         map_fn=map_fn,
     )
     found: list[Plan] = [] if alternatives is None else alternatives
+    with_bounds = functools.partial(_with_bounds, profile=profile, config=config)
     if not choose_devices or profile.num_devices == 1:
         best = search(profile, others=found)
         _keep_others(found, best)
-        return best
+        return with_bounds(best, global_batch_size)
     # Every candidate device set gets a quick search (one generated schedule, a beam of one, one
     # refinement round), most promising first and only while its compute bound can still beat
     # the best quick plan; the best sets then get the full search.
@@ -190,29 +193,50 @@ def plan_search(
     )
     full_searches = 1 if large else FULL_SEARCHES
     everyone = tuple(range(profile.num_devices))
-    subsets = candidate_subsets(profile, group_devices(profile, grouping))
+    groups = group_devices(profile, grouping)
+    subsets = candidate_subsets(profile, groups)
     rates = sample_rates(profile)
     bound = {ranks: compute_bound_s(rates, ranks, global_batch_size) for ranks in subsets}
     most = MAX_SUBSET_SEARCHES // 2 if large else MAX_SUBSET_SEARCHES
     order = [everyone, *sorted(subsets[1:], key=bound.__getitem__)[:most]]
     scored: dict[tuple[int, ...], float] = {}
+    subset_profile = functools.lru_cache(maxsize=None)(functools.partial(restrict, profile))
+
+    def score(ranks: tuple[int, ...], best_so_far: float) -> None:
+        if ranks in scored or bound.get(ranks, 0.0) >= best_so_far:
+            return  # scored already, or its compute bound cannot beat what is found
+        with contextlib.suppress(ValueError):  # a set that cannot hold the model is skipped
+            scored[ranks] = quick(subset_profile(ranks)).predicted_step_time_s
+
     for ranks in order:
         if scored and bound[ranks] >= min(scored.values()):
             break
-        try:
-            scored[ranks] = quick(restrict(profile, ranks)).predicted_step_time_s
-        except ValueError:
-            continue  # this set cannot hold the model
+        score(ranks, math.inf)
+    # Each zone (network group) alone is scored too, most promising first while its bound can
+    # beat the best zone: the compute bound ignores the links, so sets across a slow WAN rank
+    # above a zone they cannot beat, and the cap above may leave every zone out.
+    zones = sorted(
+        (tuple(sorted(group)) for group in groups.network_groups),
+        key=lambda ranks: compute_bound_s(rates, ranks, global_batch_size),
+    )[:most]
+    for ranks in zones:
+        bound.setdefault(ranks, compute_bound_s(rates, ranks, global_batch_size))
+        score(ranks, min((scored[z] for z in zones if z in scored), default=math.inf))
     if not scored:
         return search(profile)  # raises the whole cluster's reason
     finalists = sorted(scored, key=scored.__getitem__)[:full_searches]
+    best_zone = min((z for z in zones if z in scored), key=scored.__getitem__, default=None)
+    if best_zone is not None and best_zone not in finalists:
+        finalists.append(best_zone)  # the answer is never slower than the best zone alone
     full: dict[tuple[int, ...], Plan] = {}
     others: dict[tuple[int, ...], list[Plan]] = {}
     for ranks in finalists:
         others[ranks] = []
-        full[ranks] = search(restrict(profile, ranks), others=others[ranks])
+        full[ranks] = search(subset_profile(ranks), others=others[ranks])
     faster = min(full, key=lambda ranks: full[ranks].predicted_step_time_s)
     within = full[faster].predicted_step_time_s * (1 + device_gain)
+    if best_zone is not None:  # fewer devices, but never slower than the best zone alone
+        within = min(within, full[best_zone].predicted_step_time_s)
     best_ranks = min(
         (ranks for ranks in full if full[ranks].predicted_step_time_s <= within),
         key=lambda ranks: (len(ranks), full[ranks].predicted_step_time_s),
@@ -223,7 +247,7 @@ def plan_search(
         found += [lift(p, ranks, profile.num_devices) for p in mine]
     _keep_others(found, lift(best, best_ranks, profile.num_devices))
     if best_ranks == everyone:
-        return best
+        return with_bounds(best, global_batch_size)
     if everyone in full:
         with_every = f"{full[everyone].predicted_step_time_s * 1e3:.2f} ms"
     else:
@@ -240,7 +264,32 @@ def plan_search(
         f"{best.predicted_step_time_s * 1e3:.2f} ms, with every device {with_every}{more}; "
         f"{best.notes}"
     )
-    return lift(best, best_ranks, profile.num_devices, notes)
+    return with_bounds(lift(best, best_ranks, profile.num_devices, notes), global_batch_size)
+
+
+def _with_bounds(
+    plan: Plan, global_batch_size: int, *, profile: ClusterProfile, config: CostModelConfig | None
+) -> Plan:
+    """``plan`` with its compute bounds and where its predicted step goes."""
+    rates = sample_rates(profile)
+    bound = compute_bound_s(rates, plan.ranks, global_batch_size)
+    p = Evaluator(profile, config).predict_plan(plan)
+    pipeline = p.pipeline_s + p.allreduce_s + p.optimizer_s
+    parts = {
+        "bound": bound,
+        "imbalance": p.compute_s - bound,
+        "stalls": p.pipeline_s - p.compute_s - p.transfer_s,
+        "transfers": p.transfer_s,
+        "allreduce": p.allreduce_s,
+        "optimizer": p.optimizer_s,
+        "cpu_quota": max(0.0, p.step_time_s - pipeline),
+    }
+    return dataclasses.replace(
+        plan,
+        compute_bound_s=bound,
+        cluster_bound_s=compute_bound_s(rates, range(profile.num_devices), global_batch_size),
+        step_parts_s=parts,
+    )
 
 
 def _keep_others(found: list[Plan], best: Plan) -> None:
@@ -478,6 +527,16 @@ def _infeasible(context: SearchContext) -> ValueError:
     n = context.profile.num_blocks
     gib = 2.0**30
     one_sample = np.diff(arrays.saved_prefix) + np.diag(arrays.transient_peak, 1)
+    more_counts = (
+        f" and up to {context.memory_counts[-1]} where those did not fit"
+        if context.memory_counts
+        else ""
+    )
+    advice = (
+        "Use a smaller global batch or add devices with more memory"
+        if context.memory_counts
+        else "Use more micro-batches or a smaller global batch"
+    )
     if (per_block + one_sample).max() > largest_memory:
         block = int((per_block + one_sample).argmax())
         return ValueError(
@@ -497,8 +556,9 @@ def _infeasible(context: SearchContext) -> ValueError:
         )
     return ValueError(
         f"No plan fits in memory: every candidate (pure data parallelism, a plain pipeline and "
-        f"the network-group pipelines, with {list(context.microbatch_counts)} micro-batches) "
+        f"the network-group pipelines, with {list(context.microbatch_counts)} micro-batches"
+        f"{more_counts}) "
         f"exceeds some device's memory (smallest device: {float(arrays.memory.min()) / gib:.2f} "
-        f"GiB; model parameter state: {total / gib:.2f} GiB). Use more micro-batches or a smaller "
-        "global batch, or pass memory_check=False to plan anyway."
+        f"GiB; model parameter state: {total / gib:.2f} GiB). {advice}, or pass memory_check=False "
+        "to plan anyway."
     )

@@ -128,7 +128,7 @@ def restrict(profile: ClusterProfile, ranks: Sequence[int]) -> ClusterProfile:
     ranks = list(ranks)
     return dataclasses.replace(
         profile,
-        devices=tuple(dataclasses.replace(profile.devices[r], rank=i) for i, r in enumerate(ranks)),
+        devices=tuple(profile.devices[r].renumbered(i) for i, r in enumerate(ranks)),
         latency_s=tuple(tuple(profile.latency_s[a][b] for b in ranks) for a in ranks),
         bandwidth_bytes_per_s=tuple(
             tuple(profile.bandwidth_bytes_per_s[a][b] for b in ranks) for a in ranks

@@ -84,6 +84,34 @@ def _matrix(
     return tuple(rows)
 
 
+def _fast_matrix(
+    value: object, size: int, valid: Callable[[npt.NDArray[np.float64]], bool]
+) -> tuple[tuple[float, ...], ...] | None:
+    """``value`` as a matrix when it is ``size`` rows of ``size`` plain floats (or ints) that
+    ``valid`` accepts as a whole; ``None`` sends it to the cell-by-cell check, which names the
+    first bad cell. A 1024-device matrix has a million cells: checking each in Python costs
+    seconds, and the planner builds one per device subset it scores."""
+    if not isinstance(value, (list, tuple)) or len(value) != size:
+        return None
+    if not all(type(row) in (list, tuple) and len(row) == size for row in value):
+        return None
+    if not {type(cell) for row in value for cell in row} <= {float, int}:
+        return None
+    array = np.array(value, dtype=np.float64).reshape(size, size)
+    if np.isnan(array).any() or not valid(array):
+        return None
+    return tuple(map(tuple, array.tolist()))
+
+
+def _latency_valid(array: npt.NDArray[np.float64]) -> bool:
+    return bool(np.isfinite(array).all() and (array >= 0).all())
+
+
+def _bandwidth_valid(array: npt.NDArray[np.float64]) -> bool:
+    off_diagonal = ~np.eye(len(array), dtype=bool)
+    return bool((array >= 0).all() and (array[off_diagonal] > 0).all())
+
+
 def _latency_entry(name: str, value: object, on_diagonal: bool) -> float:
     return check.real(name, value, expected="a non-negative finite latency in seconds")
 
@@ -157,9 +185,11 @@ class ClusterProfile:
                     f"got {device.num_blocks}"
                 )
         size = len(devices)
-        latency = _matrix("latency_s", self.latency_s, size, _latency_entry)
+        latency = _fast_matrix(self.latency_s, size, _latency_valid) or _matrix(
+            "latency_s", self.latency_s, size, _latency_entry
+        )
         check.set_field(self, "latency_s", latency)
-        bandwidth = _matrix(
+        bandwidth = _fast_matrix(self.bandwidth_bytes_per_s, size, _bandwidth_valid) or _matrix(
             "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, size, _bandwidth_entry
         )
         check.set_field(self, "bandwidth_bytes_per_s", bandwidth)

@@ -207,6 +207,18 @@ class DeviceProfile:
         set_field(self, "cpu_share", share)
         set_field(self, "cpu_period_s", check.seconds("cpu_period_s", self.cpu_period_s))
 
+    def renumbered(self, rank: int) -> DeviceProfile:
+        """This device under another rank (a device subset's profile numbers its devices
+        ``0..k-1``). The other fields were checked when this profile was built, so they are
+        reused as they are: the planner renumbers every device of every subset it scores."""
+        copy = object.__new__(DeviceProfile)
+        for field in dataclasses.fields(DeviceProfile):
+            check.set_field(copy, field.name, getattr(self, field.name))
+        check.set_field(
+            copy, "rank", check.integer("rank", rank, minimum=0, expected="a non-negative integer")
+        )
+        return copy
+
     def _check_fixed_s(self) -> None:
         """``fixed_s``: none (zeros) or one share per block, each at most that block's time."""
         fixed = check.sequence("fixed_s", self.fixed_s, check.seconds)
