@@ -37,14 +37,20 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
+from harness import (
+    HERE,
+    REPO,
+    device_trainer,
+    lab_command,
+    main,
+    reuse_plan,
+    worker_job,
+    write_json,
+)
 
 # =============================================================================== worker side
 
@@ -72,7 +78,6 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--profile-budget-s", type=float, default=300.0)
     args = p.parse_args(argv)
     t0 = float(os.environ["DEEPCEE_LAB_T0"])
-    world = int(os.environ["WORLD_SIZE"])
 
     class StepLog(Callback):
         def on_train_start(self, trainer, pl_module) -> None:
@@ -116,18 +121,11 @@ def worker_main(argv: list[str]) -> None:
     data = ShakespeareDataModule(
         block_size=kw["block_size"], batch_size=args.global_batch, max_chars=400_000
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        num_nodes=world,
+    trainer = device_trainer(
         # Receive-ahead (the default) in both arms: the arms differ only by the adapter.
         strategy=strategy,
         max_steps=1 if args.plan_out is not None else 100_000,
         limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
         default_root_dir=str(REPO / "runs" / "adapter_bench"),
     )
@@ -238,22 +236,15 @@ def summarise(
 
 def _lab(topology: Path, trace: Path | None, out: Path, timeout_s: float, worker: list[str]) -> int:
     """Run this file in ``worker`` mode on every device of the lab; its return code."""
-    cmd = [sys.executable, "-m", "lightning_deepcee.lab.cli", "run", "--topology", str(topology),
-           *(["--trace", str(trace)] if trace is not None else []), "--out", str(out), "--quiet",
-           "--timeout-s", str(timeout_s), "--", "python", str(Path(__file__).resolve()), "worker",
-           *worker]  # fmt: skip
+    cmd = lab_command(topology, out, timeout_s, worker_job(__file__, *worker), trace=trace)
     print(f"[adapter-bench] {' '.join(cmd)}", flush=True)
     return subprocess.run(cmd, cwd=REPO, check=False).returncode
 
 
 def _planner_plan(args: argparse.Namespace, folder: Path) -> tuple[Path, Path]:
     """``plan.json`` and ``profile.json``: made once by a lab run without a trace, then reused."""
-    plan, profile = (folder / "plan.json").resolve(), (folder / "profile.json").resolve()
-    if args.fresh_plan:
-        plan.unlink(missing_ok=True)
-        profile.unlink(missing_ok=True)
-    if plan.exists() and profile.exists():
-        print(f"[adapter-bench] reusing {plan} and {profile} (--fresh-plan makes them again)")
+    plan, profile, reused = reuse_plan(folder, args.fresh_plan, "adapter-bench")
+    if reused:
         return plan, profile
     folder.mkdir(parents=True, exist_ok=True)
     rc = _lab(args.topology, None, folder / "plan_logs", args.profile_budget_s + 600, [
@@ -413,7 +404,7 @@ def harness_main(argv: list[str]) -> int:
                 f"{len(records)} steps",
                 flush=True,
             )
-            result_path.write_text(json.dumps(result, indent=1) + "\n")  # nothing lost
+            write_json(result_path, result, final_newline=True)  # nothing lost
     if args.report_only:  # the stored steps, summarised as this version counts them
         for entry in result.get("modes", {}).values():
             for stored in entry.get("runs", [entry]):
@@ -421,7 +412,7 @@ def harness_main(argv: list[str]) -> int:
                     stored["records"], phases, args.global_batch, args.settle, args.skip_s
                 )
     result["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    result_path.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(result_path, result, final_newline=True)
     table = report(result, phases, args.results / name)
     print(table)
     return 0
@@ -546,7 +537,4 @@ def _plot(result: dict[str, Any], phases: list[tuple[str, float, float]], path: 
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        worker_main(sys.argv[2:])
-    else:
-        sys.exit(harness_main(sys.argv[1:]))
+    main(worker_main, harness_main)

@@ -23,13 +23,11 @@ import itertools
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, device_trainer, main, reuse_plan, worker_job, write_json
 
 
 # --------------------------------------------------------------------------------- worker
@@ -100,9 +98,7 @@ def worker_main(argv: list[str]) -> None:
         callbacks.append(
             ElasticCheckpoint(dirpath=str(args.out / "ckpt"), every_n_train_steps=args.every)
         )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = device_trainer(
         num_nodes=int(os.environ.get("WORLD_SIZE", "1")),
         strategy=DeepCEEStrategy(
             plan=args.plan,
@@ -112,9 +108,6 @@ def worker_main(argv: list[str]) -> None:
         ),
         max_steps=args.steps,
         limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         enable_checkpointing=args.every > 0,
         callbacks=callbacks,
         default_root_dir=str(args.out),
@@ -168,12 +161,8 @@ def shared_plan(args: argparse.Namespace) -> tuple[Path, Path]:
     """``plan.json`` and ``profile.json`` that the checkpoint-cost arms all run: made once by a
     lab run that profiles, plans and trains one step; reused unless ``--fresh-plan``."""
     folder = args.logs / "plan"
-    plan, profile = (folder / "plan.json").resolve(), (folder / "profile.json").resolve()
-    if args.fresh_plan:
-        plan.unlink(missing_ok=True)
-        profile.unlink(missing_ok=True)
-    if plan.is_file() and profile.is_file():
-        print(f"[elastic-bench] reusing {plan} and {profile} (--fresh-plan makes them again)")
+    plan, profile, reused = reuse_plan(folder, args.fresh_plan, "elastic-bench")
+    if reused:
         return plan, profile
     record = run_arm(args, "plan", 0, ["--plan-out", str(plan), "--profile-cache", str(profile)])
     if record["returncode"] != 0 or not plan.is_file() or not profile.is_file():
@@ -211,7 +200,7 @@ def run_arm(
             killed["at"] = lab.elapsed_s
 
     config = RunConfig(
-        command=("python", str(Path(__file__).resolve()), "worker", *worker),
+        command=tuple(worker_job(__file__, *worker)),
         out_dir=out,
         cwd=str(REPO),
         timeout_s=args.run_timeout_s,
@@ -305,7 +294,7 @@ def rescan(args: argparse.Namespace) -> int:
             rows = _rows(args.logs / arm.replace("@", "_") / f"run{run}" / "work" / "steps.jsonl")
             if rows:
                 record.update(step_figures(rows, int(result["config"]["warmup"])))
-    path.write_text(json.dumps(result, indent=1))
+    write_json(path, result)
     table = render(result)
     (args.results / f"{args.name}.md").write_text(table)
     print(table)
@@ -367,7 +356,7 @@ def harness_main(argv: list[str]) -> int:
         for arm in arms:
             extra = [] if arm.startswith("loss") else shared
             result["arms"][arm].append(run_arm(args, arm, run, extra))
-            path.write_text(json.dumps(result, indent=1))
+            write_json(path, result)
     table = render(result)
     (args.results / f"{args.name}.md").write_text(table)
     print(table)
@@ -375,7 +364,4 @@ def harness_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        worker_main(sys.argv[2:])
-    else:
-        sys.exit(harness_main(sys.argv[1:]))
+    main(worker_main, harness_main)

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness import planned_runs
 
 from lightning_deepcee.planner.cost_model import CostModelConfig
 
@@ -91,40 +92,36 @@ class Fit:
 
 def rows_from_results(path: str | Path) -> list[RankRow]:
     """Every rank of every planned run (with rank statistics) of a ``lab_bench.py`` results file."""
-    data = json.loads(Path(path).read_text())
     rows = []
-    for system, entry in data["systems"].items():
-        for run in entry["runs"]:
-            stats = run.get("rank_stats")
-            if not stats or "plan" not in run or "profile" not in run:
-                continue
-            devices = run["profile"]["devices"]
-            for stage in run["plan"]["stages"]:
-                start, end = stage["block_range"]
-                n = len(stage["ranks"])
-                for rank in stage["ranks"]:
-                    mine = stats[rank]
-                    device = devices[rank]
-                    parameter_bytes = sum(device["parameter_bytes"][start:end])
-                    rows.append(
-                        RankRow(
-                            benchmark=Path(path).stem,
-                            system=system,
-                            run=int(run["run"]),
-                            rank=rank,
-                            cpu_share=float(device.get("cpu_share", 1.0)),
-                            cpu_s=mine["cpu_s"],
-                            compute_cpu_s=sum(mine.get(f"cpu_{k}", 0.0) for k in "FBW"),
-                            optimizer_cpu_s=mine.get("optimizer_cpu", 0.0),
-                            received_bytes=sum(
-                                v for k, v in mine.items() if k.startswith("recv_bytes_from")
-                            ),
-                            sent_bytes=sum(
-                                other.get(f"recv_bytes_from{rank}", 0) for other in stats
-                            ),
-                            allreduce_bytes=4.0 * (n - 1) / n * parameter_bytes,
-                        )
+    for system, _, run in planned_runs(path):
+        stats = run.get("rank_stats")
+        if not stats:
+            continue
+        devices = run["profile"]["devices"]
+        for stage in run["plan"]["stages"]:
+            start, end = stage["block_range"]
+            n = len(stage["ranks"])
+            for rank in stage["ranks"]:
+                mine = stats[rank]
+                device = devices[rank]
+                parameter_bytes = sum(device["parameter_bytes"][start:end])
+                rows.append(
+                    RankRow(
+                        benchmark=Path(path).stem,
+                        system=system,
+                        run=int(run["run"]),
+                        rank=rank,
+                        cpu_share=float(device.get("cpu_share", 1.0)),
+                        cpu_s=mine["cpu_s"],
+                        compute_cpu_s=sum(mine.get(f"cpu_{k}", 0.0) for k in "FBW"),
+                        optimizer_cpu_s=mine.get("optimizer_cpu", 0.0),
+                        received_bytes=sum(
+                            v for k, v in mine.items() if k.startswith("recv_bytes_from")
+                        ),
+                        sent_bytes=sum(other.get(f"recv_bytes_from{rank}", 0) for other in stats),
+                        allreduce_bytes=4.0 * (n - 1) / n * parameter_bytes,
                     )
+                )
     return rows
 
 

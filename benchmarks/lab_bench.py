@@ -42,14 +42,11 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
+from harness import HERE, REPO, device_trainer, lab_command, main, worker_job, write_json
 
 LIGHTNING_SYSTEMS = ("deepcee", "deepcee-adapter", "deepcee-manual", "ddp")
 PIPE_SYSTEMS = ("pipe-gpipe", "pipe-1f1b", "pipe-zb")
@@ -230,17 +227,10 @@ def _lightning_worker(args: argparse.Namespace) -> None:
         callbacks.append(DynamicEnvironmentAdapter())
     pl.seed_everything(0)
     model = build_model(args.model, args.size)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        num_nodes=world,
+    trainer = device_trainer(
         strategy=strategy,
         max_steps=args.steps,
         limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         precision="32-true",
         callbacks=callbacks,
         default_root_dir=str(REPO / "runs" / "bench"),
@@ -498,10 +488,8 @@ def run_one(args: argparse.Namespace, system: str, run: int, out: Path) -> dict[
         topology_file = out / "topology.yaml"
         topology_file.write_text(yaml.safe_dump(topo.to_dict(), sort_keys=False))
     batch = system_batch(system, len(topo.devices), args.global_batch)
-    worker = [
-        "python",
-        str(Path(__file__).resolve()),
-        "worker",
+    worker = worker_job(
+        __file__,
         "--system", base,
         "--model", args.model,
         "--size", args.size,
@@ -514,11 +502,8 @@ def run_one(args: argparse.Namespace, system: str, run: int, out: Path) -> dict[
         "--receive-ahead", args.receive_ahead,
         *(["--plan", str(Path(args.plan).resolve())] if args.plan else []),
         *(["--all-timelines"] if args.all_timelines else []),
-    ]  # fmt: skip
-    cmd = [sys.executable, "-m", "lightning_deepcee.lab.cli", "run"]
-    cmd += ["--topology", str(topology_file), "--out", str(out), "--quiet"]
-    cmd += ["--timeout-s", str(args.run_timeout_s), "--master-port", str(args.master_port)]
-    cmd += ["--", *worker]
+    )  # fmt: skip
+    cmd = lab_command(topology_file, out, args.run_timeout_s, worker, master_port=args.master_port)
     if not _wait_for_quiet_lab(args.wait_other_lab_s):
         return dict(run=run, returncode=3, error="another lab kept running; not started")
     if out.exists():  # never parse a BENCH line left by an earlier run
@@ -932,13 +917,10 @@ def harness_main(argv: list[str]) -> int:
             rec.update(steps=args.steps, warmup=args.warmup, command_microbatches=args.microbatches)
             result["systems"][s]["runs"].append(rec)
             result["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
-            path.write_text(json.dumps(result, indent=1))
+            write_json(path, result)
     print(report(result, args.results, name))
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        worker_main(sys.argv[2:])
-    else:
-        sys.exit(harness_main(sys.argv[1:]))
+    main(worker_main, harness_main)

@@ -3,7 +3,7 @@
 For each profile in ``configs/profiles/sailor_opt350m/`` it times ``plan_search`` with its
 defaults on the whole cluster, plans each zone alone, and records the chosen plan, its
 prediction, its compute bounds and the best single-zone prediction. The planner's answer must be
-no slower than the best zone alone (``tests/unit/test_planner_cases.py`` keeps that); this
+no slower than the best zone alone (``tests/unit/planner/test_planner_cases.py`` keeps that); this
 benchmark adds the planning time, which depends on the machine.
 
 Run from the repository root (writes ``benchmarks/results/planner_cases.json``; then

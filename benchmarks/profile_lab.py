@@ -18,7 +18,6 @@ are within 20%; groups; time), with the command that made them.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import subprocess
@@ -27,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from harness import REPO, lab_command, write_json
+
 TOLERANCE = 0.20
 MBIT = 1e6 / 8  # bytes/s per Mbit/s
 
@@ -89,8 +89,7 @@ def run_one(args: argparse.Namespace, run: int, out: Path) -> dict[str, Any]:
     job += [f"--trainer.num_nodes={len(topology.devices)}", "--trainer.devices=1"]
     job += [f"--trainer.strategy.init_args.profile_cache={cache}"]
     job += [f"--trainer.default_root_dir={out}", f"--trainer.logger.init_args.save_dir={out}"]
-    cmd = [sys.executable, "-m", "lightning_deepcee.lab.cli", "run", "--topology", args.topology]
-    cmd += ["--out", str(out), "--quiet", "--timeout-s", str(args.run_timeout_s), "--", *job]
+    cmd = lab_command(args.topology, out, args.run_timeout_s, job)
     print(f"[profile] run {run + 1}/{args.runs}: {' '.join(cmd)}", flush=True)
     began = time.time()
     proc = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True, check=False)
@@ -178,7 +177,7 @@ def main(argv: list[str]) -> int:
     )
     results = REPO / args.results
     results.mkdir(parents=True, exist_ok=True)
-    (results / f"profile_{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_json(results / f"profile_{name}.json", result, final_newline=True)
     table = report(result)
     (results / f"profile_{name}.md").write_text(table)
     print(table)

@@ -24,12 +24,13 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from harness import planned_runs
 
 from lightning_deepcee.planner.cost_model import predict_plan
 from lightning_deepcee.planner.plan import Plan
@@ -50,21 +51,19 @@ class PlannedRun:
 
 def load_runs(path: str | Path) -> list[PlannedRun]:
     """Every run of a ``lab_bench.py`` results file that has a profile and a plan."""
-    data = json.loads(Path(path).read_text())
     runs = []
-    for system, entry in data["systems"].items():
-        for index, run in enumerate(entry["runs"]):
-            if "profile" not in run or "plan" not in run or not run.get("step_times_s"):
-                continue
-            window = run["step_times_s"][-int(run["window_steps"]) :]
-            runs.append(
-                PlannedRun(
-                    label=f"{system} {index}",
-                    profile=ClusterProfile.from_dict(run["profile"]),
-                    plan=Plan.from_dict(run["plan"]),
-                    measured_s=statistics.fmean(window),
-                )
+    for system, index, run in planned_runs(path):
+        if not run.get("step_times_s"):
+            continue
+        window = run["step_times_s"][-int(run["window_steps"]) :]
+        runs.append(
+            PlannedRun(
+                label=f"{system} {index}",
+                profile=ClusterProfile.from_dict(run["profile"]),
+                plan=Plan.from_dict(run["plan"]),
+                measured_s=statistics.fmean(window),
             )
+        )
     return runs
 
 

@@ -28,16 +28,12 @@ import math
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-
-from lab_bench import _git_commit, split_system, sub_topology, system_batch  # noqa: E402
+from harness import HERE, REPO, device_trainer, lab_command, main, worker_job, write_json
+from lab_bench import _git_commit, split_system, sub_topology, system_batch
 
 SYSTEMS = ("deepcee", "ddp", "pipe-1f1b")
 
@@ -93,20 +89,13 @@ def _lightning_worker(args: argparse.Namespace) -> None:
 
     pl.seed_everything(0)
     model = GPT(**gpt_kwargs(args.size))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        num_nodes=world,
+    trainer = device_trainer(
         strategy=strategy,
         max_steps=args.max_steps,
         val_check_interval=args.eval_every,
         check_val_every_n_epoch=None,
         limit_val_batches=args.eval_batches,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         precision="32-true",
         callbacks=[TimeToAccuracy()],
         default_root_dir=str(REPO / "runs" / "tta"),
@@ -286,7 +275,7 @@ def harness_main(argv: list[str]) -> int:
             hit = _run(args, topology, system, run)
             result["systems"][system]["runs"].append(hit)
             result["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
-            path.write_text(json.dumps(result, indent=1) + "\n")
+            write_json(path, result, final_newline=True)
     print(report(result, args.results / name))
     return 0
 
@@ -318,15 +307,14 @@ def _run(
     batch = system_batch(system, devices, args.global_batch)
     log = out / "evals.jsonl"
     log.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "lightning_deepcee.lab.cli", "run", "--topology",
-           str(topology_file), "--out", str(out), "--quiet", "--timeout-s",
-           str(args.run_timeout_s), "--", "python", str(Path(__file__).resolve()),
-           "worker", "--system", base, "--size", args.size, "--global-batch",
-           str(batch), "--microbatches", str(args.microbatches),
-           "--max-steps", str(max_steps or args.max_steps), "--eval-every",
-           str(args.eval_every), "--eval-batches", str(args.eval_batches), "--target",
-           str(target), "--profile-budget-s", str(args.profile_budget_s),
-           "--steps-log", str(log)]  # fmt: skip
+    job = worker_job(
+        __file__, "--system", base, "--size", args.size, "--global-batch", str(batch),
+        "--microbatches", str(args.microbatches), "--max-steps", str(max_steps or args.max_steps),
+        "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches),
+        "--target", str(target), "--profile-budget-s", str(args.profile_budget_s),
+        "--steps-log", str(log),
+    )  # fmt: skip
+    cmd = lab_command(topology_file, out, args.run_timeout_s, job)
     print(
         f"[tta] {system} run {run + 1}/{args.runs}" if run >= 0 else f"[tta] {system}", flush=True
     )
@@ -422,7 +410,4 @@ def _plot(result: dict[str, Any], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        worker_main(sys.argv[2:])
-    else:
-        sys.exit(harness_main(sys.argv[1:]))
+    main(worker_main, harness_main)

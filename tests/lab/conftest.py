@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-from lightning_deepcee.lab.network import check_requirements
 from lightning_deepcee.lab.state import StateStore
+from tests.helpers.lab import require_lab
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def require_lab() -> None:
-    """Skip without root and Mininet; in CI (which installs them, as root) fail instead."""
-    try:
-        check_requirements()
-    except RuntimeError as err:
-        if os.environ.get("CI"):
-            pytest.fail(f"lab requirements missing in CI: {err}")
-        pytest.skip(str(err))
 
 
 @pytest.fixture

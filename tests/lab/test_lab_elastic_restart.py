@@ -26,12 +26,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import require_lab
 
 from lightning_deepcee.lab.network import LabNetwork
 from lightning_deepcee.lab.runner import LabControl, LabResult, RunConfig, run_command
 from lightning_deepcee.lab.state import StateStore
 from lightning_deepcee.lab.topology import load_topology
+from tests.helpers.lab import require_lab
 
 pytestmark = pytest.mark.lab
 

@@ -26,18 +26,10 @@ from lightning_deepcee.planner.cost_model import (
 )
 from lightning_deepcee.planner.plan import StagePlan
 from lightning_deepcee.profiler.data import ClusterProfile
-from lightning_deepcee.runtime import (
-    P2PTransport,
-    PipelineExecutor,
-    Router,
-    StageLayout,
-    build_stage,
-    split_batch,
-    split_sizes,
-)
+from lightning_deepcee.runtime import StageLayout, split_batch, split_sizes
 from lightning_deepcee.runtime.measure import measure_blocks
 from lightning_deepcee.runtime.measure.cluster import _device_profile
-from lightning_deepcee.schedule import generate, lower
+from tests.helpers.executor import stage_executor
 
 pytestmark = pytest.mark.multiprocess
 
@@ -62,17 +54,9 @@ def _worker(rank: int, world: int, schedule: str, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     model = _model()
     spec = model.configure_pipeline()
-    stage = build_stage(model, spec, RANGES, rank)
-    placement = {s: s for s in range(world)}
-    executor = PipelineExecutor(
-        stage=stage,
-        actions=lower(generate(schedule, world, MICROBATCHES), placement)[rank],
-        transport=P2PTransport(torch.device("cpu")),
-        router=Router([StageLayout((r,), (1.0,)) for r in range(world)], rank, rank),
-        loss_fn=spec.loss_fn,
-        input_fn=spec.input_fn,
-        rank=rank,
-        measure_saved=True,
+    layouts = [StageLayout((r,), (1.0,)) for r in range(world)]
+    executor = stage_executor(
+        model, spec, RANGES, layouts, rank, schedule, MICROBATCHES, measure_saved=True
     )
     total = ROWS * MICROBATCHES
     executor.run(split_batch(_batch(total), split_sizes(total, MICROBATCHES)), total)

@@ -14,9 +14,9 @@ import torch
 
 from lightning_deepcee.cli import main as deepcee_main
 from lightning_deepcee.demo import GPT
+from tests.helpers.paths import ROOT
 
 pytestmark = pytest.mark.multiprocess
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_lightning_cli_yaml_run_and_consolidate(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """A failure mid-epoch, then ``ckpt_path="last"``: the resumed run equals one uninterrupted process.
 
-One torchrun job (3 processes, ``_resume_worker.py``) trains ``TiedLM`` on a loader shuffled
+One torchrun job (3 processes, ``workers/resume_worker.py``) trains ``TiedLM`` on a loader shuffled
 by epoch (4 batches an epoch) with ``ElasticCheckpoint(every_n_train_steps=3)``; every rank
 fails after step 11. A new Trainer resumes from the newest complete checkpoint, step 9's, taken
 one batch into epoch 2, on another partition. Its parameters after epoch 3 must equal a single
@@ -12,9 +12,6 @@ the background and blocking saves both.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -22,15 +19,15 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _tied_models import TiedLM, make_shuffled_lm_loader
-from test_tied_and_values import _assert_params, _free_port
-
 from lightning_deepcee.checkpoint import newest_checkpoint
+from tests.helpers.equivalence import assert_params_close
+from tests.helpers.launch import torchrun
+from tests.helpers.paths import WORKERS
+from tests.helpers.tied_models import TiedLM, make_shuffled_lm_loader
 
 pytestmark = pytest.mark.multiprocess
 
-WORKER = Path(__file__).with_name("_resume_worker.py")
+WORKER = WORKERS / "resume_worker.py"
 
 
 def _reference() -> dict[str, torch.Tensor]:
@@ -49,16 +46,9 @@ def _reference() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("resume")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(WORKER), str(out),
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, env=env
-    )  # one stream: the report lines (stderr) stay between the worker's markers (stdout)
-    assert proc.returncode == 0, proc.stdout[-8000:]
-    return out, proc.stdout
+    # One stream: the report lines (stderr) stay between the worker's markers (stdout).
+    (log,) = torchrun(WORKER, out, world=3)
+    return out, log
 
 
 @pytest.mark.parametrize("name", ["async", "blocking"])
@@ -69,7 +59,7 @@ def test_resume_mid_epoch_equals_uninterrupted(resumed: tuple[Path, str], name: 
     ref = _reference()
     for rank in range(3):
         got = torch.load(out / name / f"rank{rank}.pt")
-        _assert_params(got, ref, f"{name} rank {rank}")
+        assert_params_close(got, ref, f"{name} rank {rank}")
     # The resume said what it found: the failure two steps after the checkpoint, both plans.
     assert "resuming from" in log and "step=9" in log, log[-4000:]
     assert "failed at step 11" in log and "2 to redo" in log, log[-4000:]

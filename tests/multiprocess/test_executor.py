@@ -9,56 +9,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
 from lightning_deepcee.planner import balanced_partition
-from lightning_deepcee.runtime import (
-    P2PTransport,
-    PipelineExecutor,
-    PipelineSpec,
-    Router,
-    StageLayout,
-    build_stage,
-    split_batch,
-    split_sizes,
+from lightning_deepcee.runtime import StageLayout, split_batch, split_sizes
+from lightning_deepcee.schedule import SCHEDULE_KINDS
+from tests.helpers.executor import (
+    ExecutorNet,
+    assert_grads_match_reference,
+    executor_data,
+    stage_executor,
 )
-from lightning_deepcee.schedule import SCHEDULE_KINDS, generate, lower, validate
 
 pytestmark = pytest.mark.multiprocess
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList(
-            [nn.Linear(6, 16)] + [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)]
-        )
-        self.head = nn.Linear(16, 3)
-
-    def spec(self) -> PipelineSpec:
-        return PipelineSpec(
-            blocks=[*self.layers, self.head],
-            loss_fn=lambda out, b: nn.functional.cross_entropy(out, b[1]),
-        )
-
-
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(11, 6, generator=g), torch.randint(0, 3, (11,), generator=g)
-
-
-def _reference() -> dict[str, torch.Tensor]:
-    net = _Net()
-    x, y = _data()
-    nn.functional.cross_entropy(net.head(_body(net, x)), y).backward()
-    return {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
-
-
-def _body(net: _Net, x: torch.Tensor) -> torch.Tensor:
-    for layer in net.layers:
-        x = layer(x)
-    return x
 
 
 def _worker(
@@ -72,26 +34,13 @@ def _worker(
     prefetch: bool = False,
 ) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    net = _Net()
+    net = ExecutorNet()
     spec = net.spec()
-    num_stages = len(layouts)
-    stage_index = next(s for s, lay in enumerate(layouts) if rank in lay.ranks)
-    ranges = balanced_partition([1.0] * len(spec.blocks), num_stages)
-    stage = build_stage(net, spec, ranges, stage_index)
-    placement = {s: s for s in range(num_stages)}
-    lowered = lower(generate(kind, num_stages, m), placement)
-    validate(lowered, placement, m)
-    ex = PipelineExecutor(
-        stage=stage,
-        actions=lowered[stage_index],
-        transport=P2PTransport(torch.device("cpu"), prefetch=prefetch),
-        router=Router(layouts, stage_index, rank),
-        loss_fn=spec.loss_fn,
-        input_fn=spec.input_fn,
-        rank=rank,
-    )
+    ranges = balanced_partition([1.0] * len(spec.blocks), len(layouts))
+    ex = stage_executor(net, spec, ranges, layouts, rank, kind, m, prefetch=prefetch)
+    stage, stage_index = ex.stage, ex.stage.stage_index
     transport = ex.transport
-    ex.run(split_batch(_data(), split_sizes(11, m)), 11)
+    ex.run(split_batch(executor_data(), split_sizes(11, m)), 11)
     # Every receive is timed twice: blocked and on the wire (a single step has no payload
     # slots yet, so every payload's wire time is measured, receive-ahead or not).
     for record in transport.records:
@@ -117,17 +66,6 @@ def _worker(
     if layouts[stage_index].ranks[0] == rank:
         torch.save(grads, os.path.join(out, f"grads{stage_index}.pt"))
     dist.destroy_process_group()
-
-
-def assert_grads_match_reference(directory: Path, world: int, *, rtol: float, atol: float) -> None:
-    """Merge the ranks' saved gradients and compare them with the single-process reference."""
-    merged: dict[str, torch.Tensor] = {}
-    for r in range(world):
-        merged.update(torch.load(directory / f"grads{r}.pt"))
-    ref = _reference()
-    assert merged.keys() == ref.keys()
-    for name in ref:
-        torch.testing.assert_close(merged[name], ref[name], rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -1,7 +1,7 @@
 """Plans that leave ranks idle: the active ranks equal one process, idle ranks hold nothing.
 
-One torchrun job (4 processes) trains ``TiedLM`` (``_tied_models.py``) under plans whose
-``idle_ranks`` hold no stage: ranks 1 and 3 idle; a re-plan that brings rank 1 in (blocks,
+One torchrun job (4 processes) trains ``TiedLM`` (``tests/helpers/tied_models.py``) under plans
+whose ``idle_ranks`` hold no stage: ranks 1 and 3 idle; a re-plan that brings rank 1 in (blocks,
 tied weight and optimizer state move onto it); a resume from a checkpoint saved with ranks 1
 and 3 idle onto a plan that uses all four. Parameters, validation loss and predictions must
 equal a single-process run; idle ranks must hold no parameters and read one batch, not every
@@ -11,39 +11,27 @@ batch (a stand-in, ``lightning_deepcee.loaders``).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _tied_models import TiedLM, make_lm_loader, valid_tokens
-from test_tied_and_values import WORKER, _assert_params, _free_port, _reference
-
-from lightning_deepcee.planner import Plan, StagePlan
 from lightning_deepcee.runtime.measure import model_fingerprint
+from tests.helpers.equivalence import assert_params_close, tied_reference
+from tests.helpers.launch import torchrun, write_configs
+from tests.helpers.paths import WORKERS
+from tests.helpers.plans import Stage, hand_plan
+from tests.helpers.tied_models import TiedLM, make_lm_loader, valid_tokens
 
 pytestmark = pytest.mark.multiprocess
 
 
-def _plan(stages: list[tuple[tuple[int, int], tuple[int, ...], tuple[float, ...]]],
-          idle: tuple[int, ...]) -> dict[str, Any]:  # fmt: skip
-    return Plan(
-        stages=tuple(
-            StagePlan(block_range=r, ranks=ranks, batch_shares=s) for r, ranks, s in stages
-        ),
-        schedule="1f1b",
-        num_microbatches=2,
-        global_batch_size=6,
-        predicted_step_time_s=1.0,
-        predicted_bubble_ratio=0.0,
-        predicted_peak_memory_bytes={},
+def _plan(stages: list[Stage], idle: tuple[int, ...]) -> dict[str, Any]:
+    return hand_plan(
+        stages,
         model_fingerprint=model_fingerprint(TiedLM().configure_pipeline().blocks),
-        cluster_fingerprint="",
+        global_batch_size=6,
         idle_ranks=idle,
     ).to_dict()
 
@@ -61,16 +49,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
         dict(name="replan", plan=TWO_IDLE, replan=dict(step=3, plan=ONE_IDLE), evaluate=True),
         dict(name="resume", plan=TWO_IDLE, resume_plan=NONE_IDLE),
     ]
-    (out / "configs.json").write_text(json.dumps(configs))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-        str(WORKER), str(out), str(out / "configs.json"),
-    ]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1")
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(WORKERS / "tied_worker.py", out, write_configs(out, configs), world=4)
     return out
 
 
@@ -78,7 +57,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_idle_ranks_hold_nothing_and_active_ranks_match_one_process(
     trained: Path, name: str, idle: tuple[int, ...]
 ) -> None:
-    reference, val_loss, predictions = _reference(8)
+    reference, val_loss, predictions = tied_reference(8)
     ref = reference.state_dict()
     for rank in range(4):
         got = torch.load(trained / name / f"rank{rank}.pt")
@@ -86,7 +65,7 @@ def test_idle_ranks_hold_nothing_and_active_ranks_match_one_process(
             assert got == {}, f"idle rank {rank} holds {sorted(got)[:3]}"
         else:
             assert got, f"rank {rank} should hold a stage"
-            _assert_params(got, ref, f"{name} rank {rank}")
+            assert_params_close(got, ref, f"{name} rank {rank}")
         eval_file = trained / name / f"rank{rank}_eval.json"
         if eval_file.exists():  # every rank logs the same validation loss and predictions
             assert json.loads(eval_file.read_text())["val_loss"] == pytest.approx(val_loss, 1e-5)

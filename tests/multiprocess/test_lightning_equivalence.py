@@ -8,47 +8,20 @@ single-process Lightning run on the whole batch.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from lightning_deepcee.planner import Plan, StagePlan
 from lightning_deepcee.profiler import ClusterProfile
 from lightning_deepcee.runtime.measure import model_fingerprint
-
-sys.path.insert(0, os.path.dirname(__file__))
-from _models import TinyNet, make_loader
+from tests.helpers.equivalence import assert_same_params, fit_reference, merged_ranks
+from tests.helpers.launch import launch_fit
+from tests.helpers.models import TinyNet
 
 pytestmark = pytest.mark.multiprocess
-WORKER = Path(__file__).with_name("_fit_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _launch(world: int, configs: list[dict[str, Any]], out: Path) -> None:
-    cfg_file = out / "configs.json"
-    cfg_file.write_text(json.dumps(configs))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-        str(WORKER), str(out), str(cfg_file),
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
 def _replica_batches(num_samples: int, replicas: int, per_replica: int) -> list[list[int]]:
@@ -60,50 +33,6 @@ def _replica_batches(num_samples: int, replicas: int, per_replica: int) -> list[
         [i for shard in shards for i in shard[k * per_replica : (k + 1) * per_replica]]
         for k in range(steps)
     ]
-
-
-def _reference(steps: int, clip: float | None = None, optimizer: str = "adamw", **kw: Any) -> dict:
-    warnings.filterwarnings("ignore")
-    model = TinyNet(
-        num_blocks=kw.get("num_blocks", 6),
-        optimizer=optimizer,
-        batch_norm=kw.get("batch_norm", False),
-    )
-    loader = make_loader(kw.get("batch_size", 10), kw.get("num_samples", 30))
-    if "batch_sampler" in kw:
-        loader = DataLoader(loader.dataset, batch_sampler=kw["batch_sampler"])
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip,
-        precision=kw.get("precision", "32-true"), accumulate_grad_batches=kw.get("accumulate", 1),
-    )  # fmt: skip
-    trainer.fit(model, loader)
-    if "evaluation" in kw:  # what training, validate() and test() log, same trainer
-        kw["train_metrics"].update({k: float(v) for k, v in trainer.callback_metrics.items()})
-        kw["evaluation"].update(trainer.validate(model, loader, verbose=False)[0])
-        kw["evaluation"].update(trainer.test(model, loader, verbose=False)[0])
-        kw["predictions"].append(torch.cat(trainer.predict(model, loader)))  # type: ignore[arg-type]
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _merged(directory: Path, world: int) -> dict[str, torch.Tensor]:
-    merged: dict[str, torch.Tensor] = {}
-    for r in range(world):
-        part = torch.load(directory / f"rank{r}.pt")
-        for k, v in part.items():
-            if k in merged:  # data-parallel replicas hold identical copies of a stage
-                torch.testing.assert_close(v, merged[k], rtol=0, atol=0)
-            merged[k] = v
-    return merged
-
-
-def _assert_equal(got: dict, ref: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    assert got.keys() == ref.keys()
-    for k in ref:
-        try:
-            torch.testing.assert_close(got[k], ref[k], rtol=rtol, atol=atol)
-        except AssertionError as exc:
-            raise AssertionError(f"parameter {k}: {exc}") from None
 
 
 GRID = [
@@ -122,11 +51,13 @@ def test_schedules_match_single_process(tmp_path: Path, world: int) -> None:
         {"name": "clip", "schedule": "zb-h1", "num_microbatches": 4, "steps": 4, "clip": 0.05,
          "optimizer": "sgd", "partition": [1] * (world - 1) + [6 - (world - 1)]}
     )  # fmt: skip
-    _launch(world, configs, tmp_path)
-    ref = _reference(4)
+    launch_fit(world, configs, tmp_path)
+    ref = fit_reference(4)
     for kind, m in GRID:
-        _assert_equal(_merged(tmp_path / f"{kind}-m{m}", world), ref)
-    _assert_equal(_merged(tmp_path / "clip", world), _reference(4, clip=0.05, optimizer="sgd"))
+        assert_same_params(merged_ranks(tmp_path / f"{kind}-m{m}", world), ref)
+    assert_same_params(
+        merged_ranks(tmp_path / "clip", world), fit_reference(4, clip=0.05, optimizer="sgd")
+    )
 
 
 def test_accumulation_and_evaluation_after_fit_match_single_process(tmp_path: Path) -> None:
@@ -147,10 +78,10 @@ def test_accumulation_and_evaluation_after_fit_match_single_process(tmp_path: Pa
         {"name": "badloss", "schedule": "1f1b", "num_microbatches": 2, "expect_error": True,
          "non_scalar_loss": True},
     ]  # fmt: skip
-    _launch(3, configs, tmp_path)
+    launch_fit(3, configs, tmp_path)
     # BatchNorm with whole batches and one device per stage: exact, running statistics too.
-    _assert_equal(
-        _merged(tmp_path / "bn-exact", 3), _reference(3, optimizer="sgd", batch_norm=True)
+    assert_same_params(
+        merged_ranks(tmp_path / "bn-exact", 3), fit_reference(3, optimizer="sgd", batch_norm=True)
     )
     # Shared stage 0 (ranks 0 and 1 split the rows): the two devices' running statistics stay
     # identical (_merged compares the copies bit for bit).
@@ -158,10 +89,10 @@ def test_accumulation_and_evaluation_after_fit_match_single_process(tmp_path: Pa
         {"name": "bn-shared", "plan": _asymmetric_plan(tmp_path / "bn.json", batch_norm=True),
          "steps": 3, "batch_norm": True, "batch_size": 20, "num_samples": 60},
     ]  # fmt: skip
-    _launch(4, shared, tmp_path)
-    merged = _merged(tmp_path / "bn-shared", 4)
+    launch_fit(4, shared, tmp_path)
+    merged = merged_ranks(tmp_path / "bn-shared", 4)
     assert int(merged["inp.1.num_batches_tracked"]) == 9  # 3 steps x 3 micro-batches
-    _assert_equal(_merged(tmp_path / "accumulate", 3), _reference(3, accumulate=2))
+    assert_same_params(merged_ranks(tmp_path / "accumulate", 3), fit_reference(3, accumulate=2))
     # A model error on the last stage (rank 2): every rank names that rank and its error, and
     # none reports a lost device.
     for rank in range(3):
@@ -173,10 +104,10 @@ def test_accumulation_and_evaluation_after_fit_match_single_process(tmp_path: Pa
     evaluation: dict[str, float] = {}
     train_metrics: dict[str, float] = {}
     predictions: list[torch.Tensor] = []
-    reference = _reference(
+    reference = fit_reference(
         4, evaluation=evaluation, train_metrics=train_metrics, predictions=predictions
     )
-    _assert_equal(_merged(tmp_path / "evaluate", 3), reference)
+    assert_same_params(merged_ranks(tmp_path / "evaluate", 3), reference)
     # The module's torchmetrics accuracy (PipelineSpec.metrics_fn) is logged on every rank with
     # the value its own steps log in one process.
     assert set(evaluation) == {"val_loss", "val_acc", "test_loss", "test_acc"}
@@ -282,20 +213,20 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
         {"name": "smallbatch", "schedule": "1f1b", "num_microbatches": 4, "batch_size": 3,
          "num_samples": 6, "expect_error": True},
     ]  # fmt: skip
-    _launch(world, configs, tmp_path)
+    launch_fit(world, configs, tmp_path)
     # Resume after one epoch (3 steps) equals the uninterrupted 6-step run.
-    _assert_equal(_merged(tmp_path / "resume", world), _reference(6))
+    assert_same_params(merged_ranks(tmp_path / "resume", world), fit_reference(6))
     # Consolidated checkpoint loads into the unsplit module and equals the trained shards.
     consolidated = torch.load(tmp_path / "cons" / "consolidated.pt")
     TinyNet().load_state_dict(consolidated, strict=True)
-    _assert_equal(consolidated, _merged(tmp_path / "cons", world), rtol=0, atol=0)
-    _assert_equal(consolidated, _reference(3))
-    _assert_equal(
-        _merged(tmp_path / "replicas", world),
-        _reference(3, num_samples=60, batch_sampler=_replica_batches(60, 2, per_replica=10)),
+    assert_same_params(consolidated, merged_ranks(tmp_path / "cons", world), rtol=0, atol=0)
+    assert_same_params(consolidated, fit_reference(3))
+    assert_same_params(
+        merged_ranks(tmp_path / "replicas", world),
+        fit_reference(3, num_samples=60, batch_sampler=_replica_batches(60, 2, per_replica=10)),
     )
-    _assert_equal(_merged(tmp_path / "placed", world), _reference(3))
-    _assert_equal(_merged(tmp_path / "plan", world), _reference(3))
+    assert_same_params(merged_ranks(tmp_path / "placed", world), fit_reference(3))
+    assert_same_params(merged_ranks(tmp_path / "plan", world), fit_reference(3))
     # Ranks 0 and 1 share stage 0 and sum its gradients; ranks 2 and 3 have nothing to sum.
     sync = [
         json.loads((tmp_path / "plan" / f"rank{r}_stats.json").read_text()) for r in range(world)
@@ -311,17 +242,17 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
     compact = json.loads((tmp_path / "compact" / "rank0_stats.json").read_text())
     assert compact["compared_steps"] == 1, compact
     assert compact["cost_model"]["deepcee/predicted_step_s"] == 1.0, compact
-    _assert_equal(_merged(tmp_path / "compact", world), _reference(4))
-    _assert_equal(_merged(tmp_path / "resplit", world), _reference(4))
-    _assert_equal(_merged(tmp_path / "adapter", world), _reference(6))
-    _assert_equal(_merged(tmp_path / "auto", world), _reference(3))
-    _assert_equal(_merged(tmp_path / "profiled", world), _reference(3))
+    assert_same_params(merged_ranks(tmp_path / "compact", world), fit_reference(4))
+    assert_same_params(merged_ranks(tmp_path / "resplit", world), fit_reference(4))
+    assert_same_params(merged_ranks(tmp_path / "adapter", world), fit_reference(6))
+    assert_same_params(merged_ranks(tmp_path / "auto", world), fit_reference(3))
+    assert_same_params(merged_ranks(tmp_path / "profiled", world), fit_reference(3))
     profile = ClusterProfile.from_yaml(tmp_path / "profiled" / "profile.yaml")
     assert profile.num_devices == world and profile.num_blocks == 6
     assert all(min(d.forward_s) > 0 for d in profile.devices)
     # bf16 autocast: same trajectory as single-process bf16-mixed within bf16 rounding.
-    _assert_equal(
-        _merged(tmp_path / "bf16", world), _reference(3, precision="bf16-mixed"), 2e-2, 2e-2
+    assert_same_params(
+        merged_ranks(tmp_path / "bf16", world), fit_reference(3, precision="bf16-mixed"), 2e-2, 2e-2
     )
     err = (tmp_path / "toomany" / "error.txt").read_text()
     assert "4 pipeline stages" in err and "only 3 blocks" in err
@@ -334,15 +265,15 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
 def test_elastic_restart_on_fewer_devices(tmp_path: Path) -> None:
     """Save after one epoch on 4 devices; resume on 3 with another partition and schedule: the
     checkpoint is re-partitioned (weights and optimizer state) and training continues exactly."""
-    _launch(
+    launch_fit(
         4,
         [{"name": "el4", "schedule": "1f1b", "num_microbatches": 3, "save_epoch_to": "el.ckpt"}],
         tmp_path,
     )
-    _launch(
+    launch_fit(
         3,
         [{"name": "el3", "schedule": "zb-h1", "num_microbatches": 2, "partition": [3, 2, 1],
           "resume_from": "el.ckpt"}],
         tmp_path,
     )  # fmt: skip
-    _assert_equal(_merged(tmp_path / "el3", 3), _reference(6))
+    assert_same_params(merged_ranks(tmp_path / "el3", 3), fit_reference(6))

@@ -8,45 +8,28 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_deepcee.planner import balanced_partition
-from lightning_deepcee.runtime import (
-    P2PTransport,
-    PipelineExecutionError,
-    PipelineExecutor,
-    Router,
-    StageLayout,
-    build_stage,
-    split_batch,
-    split_sizes,
-)
-from lightning_deepcee.schedule import generate, lower
+from lightning_deepcee.runtime import PipelineExecutionError, StageLayout, split_batch, split_sizes
+from tests.helpers.executor import ExecutorNet, executor_data, stage_executor
 
 pytestmark = pytest.mark.multiprocess
 TIMEOUT_S = 20.0
 
 
 def _worker(rank: int, init: str, out: str) -> None:
-    from test_executor import _data, _Net
-
     dist.init_process_group(
         "gloo", init_method=init, rank=rank, world_size=2,
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
     )  # fmt: skip
-    net = _Net()
+    net = ExecutorNet()
     spec = net.spec()
-    stage = build_stage(net, spec, balanced_partition([1.0] * len(spec.blocks), 2), rank)
-    lowered = lower(generate("1f1b", 2, 2), {0: 0, 1: 1})
+    ranges = balanced_partition([1.0] * len(spec.blocks), 2)
     layouts = [StageLayout((0,), (1.0,)), StageLayout((1,), (1.0,))]
-    ex = PipelineExecutor(
-        stage=stage, actions=lowered[rank], transport=P2PTransport(torch.device("cpu")),
-        router=Router(layouts, rank, rank), loss_fn=spec.loss_fn, input_fn=spec.input_fn,
-        rank=rank,
-    )  # fmt: skip
-    micro = split_batch(_data(), split_sizes(11, 2))
+    ex = stage_executor(net, spec, ranges, layouts, rank, "1f1b", 2)
+    micro = split_batch(executor_data(), split_sizes(11, 2))
     ex.run(micro, 11)  # one healthy step: connections are up
     dist.barrier()
     if rank == 1:

@@ -16,11 +16,12 @@ from lightning_deepcee.plan_spread import assign_calls, spread, spread_plan_sear
 from lightning_deepcee.planner.search import plan_search
 from lightning_deepcee.planner.subsets import restrict
 from lightning_deepcee.profiler.data import ClusterProfile
+from tests.helpers.paths import EXAMPLE_PROFILE as EXAMPLE
 
 pytestmark = pytest.mark.multiprocess
 
 WORLD = 3
-EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "profiles" / "example_cee6.yaml"
+
 WEIGHTS = [2.0, 1.0, 1.0]
 
 

@@ -14,16 +14,13 @@ rivals run on them), so training matches only if the state comes from the search
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_lightning_equivalence import _assert_equal, _launch, _merged, _reference
-
 from lightning_deepcee.planner import Plan
+from tests.helpers.equivalence import assert_same_params, fit_reference, merged_ranks
+from tests.helpers.launch import launch_fit
 
 pytestmark = pytest.mark.multiprocess
 
@@ -61,9 +58,9 @@ def test_the_trial_times_near_plans_and_training_stays_exact(tmp_path: Path) -> 
             "searched_layout": layout,
         },
     ]
-    _launch(WORLD, configs, tmp_path)
+    launch_fit(WORLD, configs, tmp_path)
     for name in ("trial", "rival", "off", "fewer"):
-        _assert_equal(_merged(tmp_path / name, WORLD), _reference(3))
+        assert_same_params(merged_ranks(tmp_path / name, WORLD), fit_reference(3))
     for name in ("trial", "rival", "fewer"):
         records = _records(tmp_path / name)
         for record in records:

@@ -3,16 +3,13 @@
 A Hugging Face ``GPT2LMHeadModel`` (examples/hf_gpt2.py), whose tied embedding
 (``transformer.wte.weight`` is ``lm_head.weight``) is used by the first and the last block, and
 a torchvision-style ResNet-18 with BatchNorm (examples/resnet18.py). Each test launches one
-``torchrun`` job (``_real_models_worker.py``) with a manual layout, and compares every rank's
+``torchrun`` job (``workers/real_models_worker.py``) with a manual layout, and compares every rank's
 weights after a few AdamW steps with one process training on the same batches.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,30 +19,18 @@ import pytest
 import torch
 
 from lightning_deepcee.checkpoint import shard_file
-
-sys.path.insert(0, str(Path(__file__).parent))  # the worker module puts examples/ on the path
-from _real_models_worker import GPT2_SIZES, make_loader, make_model
-from test_lightning_equivalence import _free_port
+from tests.helpers.launch import torchrun, write_configs
+from tests.helpers.paths import WORKERS
+from tests.multiprocess.workers.real_models_worker import GPT2_SIZES, make_loader, make_model
 
 pytestmark = pytest.mark.multiprocess
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("_real_models_worker.py")
+WORKER = WORKERS / "real_models_worker.py"
 TIED = ("transformer.wte.weight", "lm_head.weight")
 
 
 def _launch(world: int, configs: list[dict[str, Any]], out: Path) -> None:
-    cfg_file = out / "configs.json"
-    cfg_file.write_text(json.dumps(configs))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-        str(WORKER), str(out), str(cfg_file),
-    ]  # fmt: skip
-    # The package and the examples importable whatever the install (the worker runs as a script).
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    # The worker (a script) imports examples/ and the package whatever the install.
+    torchrun(WORKER, out, write_configs(out, configs), world=world, timeout=600)
 
 
 def _reference(cfg: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -1,7 +1,7 @@
 """Live re-planning: blocks and their optimizer state move between devices at a step boundary.
 
 Each test launches one ``torchrun`` job of 3 processes (gloo on CPU) running
-``_replan_worker.py``. The layout changes mid-training (blocks change owner, the number of
+``workers/replan_worker.py``. The layout changes mid-training (blocks change owner, the number of
 stages changes, devices share a stage with unequal row shares), directly through
 ``DeepCEEStrategy.apply_plan`` or through the adapter's ``replan`` decision; the parameters,
 Adam moments and learning rates at the end must equal a single-process run of the same steps.
@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,64 +20,37 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_deepcee.planner import Plan, StagePlan
+from lightning_deepcee.planner import Plan
 from lightning_deepcee.profiler import ClusterProfile, DeviceProfile
 from lightning_deepcee.profiler.data import fingerprint_cluster
 from lightning_deepcee.runtime.measure import model_fingerprint
-
-sys.path.insert(0, os.path.dirname(__file__))
-from _models import TinyNet, make_loader
+from tests.helpers.launch import torchrun, write_configs
+from tests.helpers.models import TinyNet, make_loader
+from tests.helpers.paths import WORKERS
+from tests.helpers.plans import Stage, hand_plan
 
 pytestmark = pytest.mark.multiprocess
-WORKER = Path(__file__).with_name("_replan_worker.py")
+WORKER = WORKERS / "replan_worker.py"
 WORLD = 3
 FINGERPRINT = model_fingerprint(TinyNet().configure_pipeline().blocks)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _launch(configs: list[dict[str, Any]], out: Path, nodes: bool = False) -> None:
     """One torchrun of ``WORLD`` processes, or with ``nodes`` one torchrun per rank (each its
     own node, so each builds its Trainer with its own accelerator, as the lab launches)."""
-    cfg_file = out / "configs.json"
-    cfg_file.write_text(json.dumps(configs))
-    port = _free_port()
-    layout = [f"--nnodes={WORLD}", "--nproc_per_node=1"] if nodes else [f"--nproc_per_node={WORLD}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = []
-    for node in range(WORLD if nodes else 1):
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", *layout, f"--node_rank={node}",
-            "--master_addr=127.0.0.1", f"--master_port={port}", str(WORKER), str(out),
-            str(cfg_file),
-        ]  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-            )
-        )
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
-    for node, (p, text) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"node {node}:\n{text[-6000:]}"
+    cfg_file = write_configs(out, configs)
+    torchrun(WORKER, out, cfg_file, world=WORLD, one_node_per_rank=nodes, timeout=600)
 
 
-def _plan(path: Path, stages: list[tuple[tuple[int, int], tuple[int, ...], tuple[float, ...]]],
-          schedule: str, m: int) -> str:  # fmt: skip
-    Plan(
-        stages=tuple(StagePlan(block_range=r, ranks=k, batch_shares=s) for r, k, s in stages),
+def _plan(path: Path, stages: list[Stage], schedule: str, m: int) -> str:
+    plan = hand_plan(
+        stages,
+        model_fingerprint=FINGERPRINT,
+        global_batch_size=10,
         schedule=schedule,
         num_microbatches=m,
-        global_batch_size=10,
-        predicted_step_time_s=1.0,
-        predicted_bubble_ratio=0.0,
-        predicted_peak_memory_bytes={},
-        model_fingerprint=FINGERPRINT,
-        cluster_fingerprint="",
-    ).to_json(path)
+    )
+    plan.to_json(path)
     return str(path)
 
 

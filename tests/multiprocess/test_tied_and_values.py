@@ -1,8 +1,8 @@
 """Tied parameters across stages and block values that are dicts and tuples, under Lightning.
 
-One torchrun job (3 processes) trains ``TiedLM`` (``_tied_models.py``: blocks passing dicts and
-tuples with a bool mask, a float tensor that needs no gradient and a constant; a head tied to the
-embedding; batches whose sequence length changes) in several layouts; each must equal a
+One torchrun job (3 processes) trains ``TiedLM`` (``tests/helpers/tied_models.py``: blocks passing
+dicts and tuples with a bool mask, a float tensor that needs no gradient and a constant; a head
+tied to the embedding; batches whose sequence length changes) in several layouts; each must equal a
 single-process Lightning run: parameters (both tied copies), validation loss and predictions
 after fit and after a re-plan, gradient clipping over the tied copies, checkpoints that keep the
 tied weight once, and resume on the same and on another partition.
@@ -11,65 +11,31 @@ tied weight once, and resume on the same and on another partition.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import warnings
 from pathlib import Path
-from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_deepcee.planner import Plan, StagePlan
 from lightning_deepcee.runtime.measure import model_fingerprint
-
-sys.path.insert(0, os.path.dirname(__file__))
-from _tied_models import TiedLM, make_lm_loader
-from test_lightning_equivalence import _free_port
+from tests.helpers.equivalence import assert_params_close, tied_reference
+from tests.helpers.launch import torchrun, write_configs
+from tests.helpers.paths import WORKERS
+from tests.helpers.plans import Stage, hand_plan
+from tests.helpers.tied_models import TiedLM
 
 pytestmark = pytest.mark.multiprocess
-WORKER = Path(__file__).with_name("_tied_worker.py")
+WORKER = WORKERS / "tied_worker.py"
 TIED = ("embed.tokens.weight", "head.out.weight")
 
 
-def _plan(
-    stages: list[tuple[tuple[int, int], tuple[int, ...], tuple[float, ...]]], **kw: Any
-) -> dict:
-    return Plan(
-        stages=tuple(
-            StagePlan(block_range=r, ranks=ranks, batch_shares=s) for r, ranks, s in stages
-        ),
-        schedule=kw.get("schedule", "1f1b"),
-        num_microbatches=kw.get("num_microbatches", 2),
-        global_batch_size=6,
-        predicted_step_time_s=1.0,
-        predicted_bubble_ratio=0.0,
-        predicted_peak_memory_bytes={r: 0 for r in range(3)},
+def _plan(stages: list[Stage], num_microbatches: int = 2) -> dict:
+    return hand_plan(
+        stages,
         model_fingerprint=model_fingerprint(TiedLM().configure_pipeline().blocks),
-        cluster_fingerprint="",
+        global_batch_size=6,
+        num_microbatches=num_microbatches,
+        predicted_peak_memory_bytes={r: 0 for r in range(3)},
     ).to_dict()
-
-
-def _reference(steps: int, clip: float | None = None) -> tuple[TiedLM, float, torch.Tensor]:
-    """Single-process Lightning: trained parameters, validation loss, predictions."""
-    warnings.filterwarnings("ignore")
-    model = TiedLM()
-    loader = make_lm_loader(6)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip,
-    )  # fmt: skip
-    trainer.fit(model, loader)
-    val = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
-    predictions = torch.cat(trainer.predict(model, loader))  # type: ignore[arg-type]
-    return model, float(val), predictions
-
-
-def _assert_params(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], where: str) -> None:
-    for key, value in got.items():
-        torch.testing.assert_close(value, ref[key], rtol=1e-5, atol=1e-6, msg=f"{where}: {key}")
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +64,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
         dict(name="resume_other", partition=[2, 2, 1], num_microbatches=2,
              resume_partition=[1, 3, 1], receive_ahead=False),
     ]  # fmt: skip
-    (out / "configs.json").write_text(json.dumps(configs))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-        str(WORKER), str(out), str(out / "configs.json"),
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(WORKER, out, write_configs(out, configs), world=3)
     return out
 
 
@@ -115,12 +73,12 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 )
 def test_tied_dict_and_tuple_values_match_single_process(trained: Path, name: str) -> None:
     clip = 0.3 if name == "pipeline" else None
-    reference, val_loss, predictions = _reference(8, clip)
+    reference, val_loss, predictions = tied_reference(8, clip)
     ref = reference.state_dict()
     holders = 0
     for rank in range(3):
         got = torch.load(trained / name / f"rank{rank}.pt")
-        _assert_params(got, ref, f"{name} rank {rank}")
+        assert_params_close(got, ref, f"{name} rank {rank}")
         holders += sum(key in got for key in TIED)
     assert holders >= 2, "the embedding's and the head's stages each hold the tied weight"
     for rank in range(3):
@@ -134,8 +92,8 @@ def test_tied_dict_and_tuple_values_match_single_process(trained: Path, name: st
 def test_clipping_engages(trained: Path) -> None:
     """The clipped reference differs from the unclipped one, so the 'pipeline' config's match
     shows that the global norm counted the tied weight once."""
-    clipped, _, _ = _reference(8, 0.3)
-    plain, _, _ = _reference(8, None)
+    clipped, _, _ = tied_reference(8, 0.3)
+    plain, _, _ = tied_reference(8, None)
     assert not torch.allclose(clipped.embed.tokens.weight, plain.embed.tokens.weight, atol=1e-4)
 
 
@@ -147,5 +105,5 @@ def test_checkpoints_keep_the_tied_weight_once(trained: Path) -> None:
     assert merged[TIED[0]].data_ptr() == merged[TIED[1]].data_ptr()
     whole = TiedLM()
     whole.load_state_dict(merged, strict=True)  # loads into the unsplit module
-    reference, _, _ = _reference(8, 0.3)
-    _assert_params(merged, reference.state_dict(), "consolidated")
+    reference, _, _ = tied_reference(8, 0.3)
+    assert_params_close(merged, reference.state_dict(), "consolidated")

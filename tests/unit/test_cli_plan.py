@@ -7,8 +7,7 @@ from pathlib import Path
 
 from lightning_deepcee.cli import main
 from lightning_deepcee.planner import Plan
-
-PROFILE = Path(__file__).resolve().parents[2] / "configs" / "profiles" / "example_cee6.yaml"
+from tests.helpers.paths import EXAMPLE_PROFILE as PROFILE
 
 
 def test_plan_command_writes_plan_timeline_and_trace(tmp_path: Path) -> None:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parents[2] / "lightning_deepcee"
+from tests.helpers.paths import ROOT
+
+PKG = ROOT / "lightning_deepcee"
 CORE = ["schedule", "planner", "profiler", "adapter"]
 FORBIDDEN = ("lightning", "pytorch_lightning", "torch")
 SHIMS = {"adapter/callback.py", "adapter/replanning.py"}

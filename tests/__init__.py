@@ -1,0 +1,1 @@
+"""The test suite: unit/ (one process), multiprocess/ (torch.distributed on CPU), lab/ (Mininet)."""

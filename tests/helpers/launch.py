@@ -1,0 +1,73 @@
+"""``torchrun`` jobs of a worker script, as the multi-process tests start them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.helpers.paths import ROOT, WORKERS
+from tests.helpers.ports import free_port
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """This process's environment, one OpenMP thread, and the repository first on PYTHONPATH:
+    a worker runs as a script, and imports ``tests.helpers`` and this checkout's package."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
+
+
+def write_configs(out: Path, configs: list[dict[str, Any]]) -> Path:
+    """``out/configs.json``: the configs a worker runs one after another."""
+    path = out / "configs.json"
+    path.write_text(json.dumps(configs))
+    return path
+
+
+def torchrun(
+    worker: Path,
+    *args: str | Path,
+    world: int,
+    one_node_per_rank: bool = False,
+    timeout: float = 900.0,
+) -> list[str]:
+    """Run ``worker`` on ``world`` ranks; every launch must exit 0. Returns each launch's output
+    (stdout and stderr as one stream, so a worker's report lines stay in order).
+
+    One ``torchrun --nproc_per_node=world``, or with ``one_node_per_rank`` one torchrun per rank
+    (``--nnodes=world``, each its own node, as the lab launches devices)."""
+    port = free_port()
+    if one_node_per_rank:
+        layout, launches = [f"--nnodes={world}", "--nproc_per_node=1"], world
+    else:
+        layout, launches = [f"--nproc_per_node={world}"], 1
+    procs = []
+    for node in range(launches):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", *layout, f"--node_rank={node}",
+            "--master_addr=127.0.0.1", f"--master_port={port}", str(worker), *map(str, args),
+        ]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env()
+            )
+        )
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for node, (p, text) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"node {node}:\n{text[-8000:]}"
+    return outputs
+
+
+def launch_fit(world: int, configs: list[dict[str, Any]], out: Path) -> None:
+    """One torchrun of ``workers/fit_worker.py`` on ``world`` ranks: ``TinyNet`` trained once
+    per config, each rank's parameters under ``out/<name>/``."""
+    torchrun(WORKERS / "fit_worker.py", out, write_configs(out, configs), world=world)

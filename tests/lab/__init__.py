@@ -1,0 +1,1 @@
+"""The lab tests: root and Mininet required (run with -m lab)."""

@@ -1,0 +1,1 @@
+"""One process, no network: folders mirror the lightning_deepcee package."""

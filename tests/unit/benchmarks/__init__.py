@@ -1,0 +1,1 @@
+"""Unit tests of the scripts under benchmarks/ (loaded with tests.helpers.benchmarks)."""

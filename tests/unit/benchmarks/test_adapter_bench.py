@@ -1,0 +1,186 @@
+"""benchmarks/adapter_bench.py without the lab: the links a plan uses and the trace made for it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from lightning_deepcee.lab.topology import load_topology
+from lightning_deepcee.lab.trace import load_trace
+from tests.helpers.benchmarks import load_benchmark
+from tests.helpers.paths import ROOT
+
+
+def _bench() -> ModuleType:
+    return load_benchmark("adapter_bench")
+
+
+def _plan(*stages: tuple[int, ...]) -> dict[str, Any]:
+    return {"stages": [{"ranks": list(ranks)} for ranks in stages]}
+
+
+CEE6 = load_topology(ROOT / "configs" / "lab" / "cee6.yaml")  # cloud0,1 | edge0,1 | end0,1
+
+
+def test_the_links_a_plan_uses() -> None:
+    links = _bench().plan_wan_links
+    # Two devices per stage, cloud -> edge -> end: both WAN links, in pipeline order.
+    assert links(_plan((0, 1), (2, 3), (4, 5)), CEE6) == [("cloud", "edge"), ("edge", "end")]
+    # Cloud -> end crosses both; a stage spanning regions all-reduces over its WAN link.
+    assert links(_plan((0,), (4,)), CEE6) == [("cloud", "edge"), ("edge", "end")]
+    assert links(_plan((0, 2)), CEE6) == [("cloud", "edge")]
+    # Data parallelism in the cloud: no WAN link at all.
+    assert links(_plan((0, 1)), CEE6) == []
+
+
+def _args(tmp_path: Path, **kwargs: Any) -> argparse.Namespace:
+    defaults = dict(trace=None, link=None, drop_at_s=10.0, restore_at_s=20.0, drop_factor=0.25)
+    return argparse.Namespace(**{**defaults, **kwargs})
+
+
+def test_the_trace_hits_the_slowest_link_the_plan_uses(tmp_path: Path) -> None:
+    bench = _bench()
+    plan = _plan((0, 1), (2, 3), (4, 5))
+    path, trace = bench._trace_for_plan(_args(tmp_path), CEE6, plan, tmp_path)
+    assert trace == [
+        {"at_s": 10.0, "link": ["edge", "end"], "bandwidth_mbit": 5.0},  # 20 Mbit/s, a quarter
+        {"at_s": 20.0, "link": ["edge", "end"], "bandwidth_mbit": 20.0},
+    ]
+    assert load_trace(path, CEE6).to_list() == trace  # a valid trace file for the lab
+    _, named = bench._trace_for_plan(_args(tmp_path, link="edge,cloud"), CEE6, plan, tmp_path)
+    assert named[0]["link"] == ["cloud", "edge"] and named[0]["bandwidth_mbit"] == 25.0
+    with pytest.raises(SystemExit, match="crosses no WAN link"):
+        bench._trace_for_plan(_args(tmp_path), CEE6, _plan((0, 1)), tmp_path)
+    with pytest.raises(ValueError, match="drop-factor"):
+        bench.make_trace(CEE6, ("cloud", "edge"), 1.0, 2.0, 1.5)
+
+
+def test_a_given_trace_is_checked_against_the_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    given = ROOT / "configs" / "lab" / "trace_wan_dip.yaml"  # cloud-edge and edge-end
+    bench = _bench()
+    path, _ = bench._trace_for_plan(
+        _args(tmp_path, trace=given), CEE6, _plan((2, 3), (4, 5)), tmp_path
+    )
+    assert path == given and "warning" not in capsys.readouterr().out
+    bench._trace_for_plan(_args(tmp_path, trace=given), CEE6, _plan((0, 1)), tmp_path)
+    assert "nothing to react to" in capsys.readouterr().out
+
+
+def test_help_and_a_manual_layout_without_a_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _bench()
+    with pytest.raises(SystemExit) as exit_info:
+        bench.harness_main(["--help"])
+    assert exit_info.value.code == 0 and "--layout" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.harness_main(["--topology", "t.yaml", "--layout", "manual"])
+    assert "--layout manual needs --trace" in capsys.readouterr().err
+
+
+def test_both_arms_run_the_plan_made_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness with the lab replaced: one planning run, then both arms on its files."""
+    bench = _bench()
+    plan = {
+        "stages": [{"ranks": [0, 1]}, {"ranks": [2, 3]}, {"ranks": [4, 5]}],
+        "schedule": "compact",
+        "num_microbatches": 4,
+    }
+    calls: list[list[str]] = []
+
+    def lab(topology: Path, trace: Path | None, out: Path, timeout_s: float, worker: list[str]):
+        calls.append([str(trace), *worker])
+        option = dict(zip(worker[::2], worker[1::2], strict=False))
+        if "--plan-out" in option:
+            Path(option["--plan-out"]).write_text(json.dumps(plan))
+            Path(option["--profile-cache"]).write_text("{}")
+        else:
+            steps = [
+                {"step": i, "end_s": 5.0 * i, "wall_s": 1.0, "microbatches": 4} for i in range(60)
+            ]
+            Path(option["--steps-log"]).write_text("".join(json.dumps(s) + "\n" for s in steps))
+        return 0
+
+    monkeypatch.setattr(bench, "_lab", lab)
+    argv = ["--topology", str(ROOT / "configs/lab/cee6.yaml"), "--results", str(tmp_path / "r"),
+            "--logs", str(tmp_path / "logs"), "--drop-at-s", "100", "--restore-at-s", "200",
+            "--end-s", "300"]  # fmt: skip
+    assert bench.harness_main(argv) == 0
+    planning, off, on = calls
+    assert "--plan-out" in planning and planning[0] == "None"  # no trace while planning
+    for arm in (off, on):
+        option = dict(zip(arm[1::2], arm[2::2], strict=False))
+        assert option["--plan"].endswith("plan.json") and option["--profile-cache"].endswith(
+            "profile.json"
+        )
+        assert arm[0].endswith("trace.yaml")
+    assert (off[2], on[2]) == ("off", "on")  # the arms differ only by the adapter
+    result = json.loads((tmp_path / "r" / "adapter_cee6_planned.json").read_text())
+    assert result["config"]["layout"] == "plan" and result["config"]["plan"] == plan
+    assert {e["link"][1] for e in result["config"]["trace"]} == {"end"}  # the slowest link
+    table = (tmp_path / "r" / "adapter_cee6_planned.md").read_text()
+    assert "the planner's plan (ranks 0,1 | 2,3 | 4,5, compact with 4 micro-batches)" in table
+    # A second invocation reuses the plan: no planning run.
+    calls.clear()
+    assert bench.harness_main(argv) == 0
+    assert len(calls) == 2 and all("--plan-out" not in c for c in calls)
+
+
+def test_samples_per_s_count_the_time_between_steps() -> None:
+    """A stall after a step's end (a callback's work) counts against the step after it."""
+    bench = _bench()
+    records = [
+        {"step": 1, "end_s": 10.0, "wall_s": 1.0, "microbatches": 4},
+        {"step": 2, "end_s": 11.0, "wall_s": 1.0, "microbatches": 4},
+        {"step": 3, "end_s": 22.0, "wall_s": 1.0, "microbatches": 4},  # 10 s outside the step
+    ]
+    spans = [r["span_s"] for r in bench.with_spans(list(reversed(records)))]
+    assert spans == [1.0, 1.0, 11.0]
+    phases = bench.summarise(records, [("normal", 0.0, 100.0)], 12, settle=0, skip_s=0.0)
+    assert phases["normal"]["samples_per_s"] == pytest.approx(36 / 13)
+
+
+def test_a_stall_across_the_end_of_a_phase_counts_for_its_part() -> None:
+    """A step that ends after the phase (a 180 s move of blocks) still cost the phase its time."""
+    bench = _bench()
+    records = [
+        {"step": 1, "end_s": 10.0, "wall_s": 1.0, "microbatches": 4},
+        {"step": 2, "end_s": 11.0, "wall_s": 1.0, "microbatches": 4},
+        {"step": 3, "end_s": 191.0, "wall_s": 5.0, "microbatches": 2},  # runs past 20 s
+    ]
+    phases = [("normal", 0.0, 20.0), ("degraded", 20.0, 30.0)]
+    out = bench.summarise(records, phases, 12, settle=0, skip_s=0.0)
+    assert out["normal"]["samples_per_s"] == pytest.approx(24 / 11)  # 9-11 s, then 11-20 s
+    assert out["degraded"]["samples_per_s"] == 0.0  # spent stalled: no step ended in it
+
+
+def _arm(rate: float, mbs: int = 4) -> dict[str, Any]:
+    phase = {"samples_per_s": rate, "settled_samples_per_s": rate, "microbatches": [mbs],
+             "last_microbatches": mbs}  # fmt: skip
+    return {"phases": {"normal": phase, "degraded": phase, "recovered": phase}, "records": []}
+
+
+def test_the_table_gives_medians_over_interleaved_runs() -> None:
+    trace = [{"at_s": 100.0, "link": ["cloud", "edge"], "bandwidth_mbit": 25.0},
+             {"at_s": 220.0, "link": ["cloud", "edge"], "bandwidth_mbit": 100.0}]  # fmt: skip
+    result = {
+        "config": {"topology": "configs/lab/cee6.yaml", "trace": trace, "size": "gpt5m",
+                   "global_batch": 48, "microbatches": 2, "schedule": "1f1b", "end_s": 320,
+                   "skip_s": 60, "settle": 8},
+        "date": "2026-12-03", "commit": "abc1234",
+        "modes": {"off": {"runs": [_arm(50.0), _arm(60.0), _arm(40.0)]},
+                  "on": {"runs": [_arm(55.0), _arm(54.0), _arm(44.0, 8)]}},
+    }  # fmt: skip
+    table = _bench().render(result)
+    assert "3 run(s) per arm" in table and "2026-12-03 at commit abc1234" in table
+    # Medians 50 and 54; per-run ratios in run order.
+    assert "| normal | 0-100 | 50.00 | 54.00 | 1.08x | 1.10x, 0.90x, 1.10x |" in table
+    assert "[4, 8] (4, 4, 8)" in table
+    # A file from before --runs (one run per arm, no date) still renders.
+    old = {"config": result["config"], "modes": {"off": _arm(50.0), "on": _arm(55.0)}}
+    assert "| normal | 0-100 | 50.00 | 55.00 | 1.10x | 1.10x |" in _bench().render(old)

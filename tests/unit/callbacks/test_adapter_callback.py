@@ -1,0 +1,147 @@
+"""DynamicEnvironmentAdapter's wiring in one process: its arguments, what one step's all-reduce
+carries, and its checkpointed state. (Its decisions on synthetic streams:
+``test_adapter_decisions.py``.)"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_deepcee import DeepCEEStrategy, DynamicEnvironmentAdapter
+from lightning_deepcee.planner import Plan
+from lightning_deepcee.runtime.transport import TransferRecord
+from tests.helpers.plans import hand_plan
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"split_gain": 1.0}, "split_gain must be in"),
+        ({"replan_gain": -0.1}, "replan_gain must be in"),
+        ({"confirm_gain": 1.0}, "min_gain"),
+        ({"confirm_window": 0}, "window"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"calibration_quantile": 1.5}, "calibration_quantile"),
+        ({"fast_threshold": 2.0}, "fast_threshold < slow_threshold"),
+    ],
+)
+def test_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DynamicEnvironmentAdapter(**kwargs)
+
+
+def _plan() -> Plan:
+    return hand_plan(
+        [((0, 1), (0, 1), (0.5, 0.5)), ((1, 2), (2,), (1.0,))],
+        global_batch_size=8,
+        predicted_step_time_s=0.0,
+        model_fingerprint="m",
+    )
+
+
+class _Rank2(DeepCEEStrategy):
+    """Rank 2 of 3 in a run of ``_plan()``, with given transfers; no processes."""
+
+    def __init__(self, records: list[TransferRecord]) -> None:
+        super().__init__()
+        self.plan = _plan()
+        self.num_microbatches = 2
+        self._records = records
+
+    @property
+    def world_size(self) -> int:
+        return 3
+
+    @property
+    def global_rank(self) -> int:
+        return 2
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def transfer_records(self) -> list[TransferRecord]:
+        return self._records
+
+    def set_num_microbatches(self, num_microbatches: int) -> None:
+        self.num_microbatches = num_microbatches
+
+
+def test_one_all_reduce_carries_the_pairs_wire_time_step_time_and_proposals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    records = [
+        TransferRecord(0, 1 << 20, 5.0, "recv", wire_s=0.5),  # 0->2: counted on the wire
+        TransferRecord(0, 1 << 20, 5.0, "recv", wire_s=0.25),  # ... twice in the step
+        TransferRecord(1, 1000, 0.1, "recv", wire_s=0.01),  # 1->2: under min_bytes
+        TransferRecord(1, 1 << 20, 0.1, "recv", wire_s=None),  # no wire time: not counted
+        TransferRecord(0, 1 << 20, 0.3, "send"),  # a send: its receiver counts it
+    ]
+    strategy = _Rank2(records)
+    adapter = DynamicEnvironmentAdapter(max_split=2)
+    trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=0)
+    with pytest.warns(UserWarning, match="no cluster profile"):
+        adapter.on_train_start(trainer, None)
+    assert adapter._pairs == [(0, 2), (1, 2), (2, 0), (2, 1)]
+    sent: list[list[float]] = []
+    waited: list[bool] = []
+
+    class Work:
+        def wait(self) -> None:  # the other ranks' parts arrive when the work completes
+            waited.append(True)
+            tensor[8] += 0.7  # rank 0's step time (other ranks fill their own slots)
+            tensor[12] += 2.0  # rank 1 has two proposals
+            tensor[14] += 1.0  # rank 0's re-plan search is done
+
+    def all_reduce(t: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False):
+        nonlocal tensor
+        assert async_op and group == "exchange-group"  # posted, on a group of its own
+        sent.append(t.tolist())
+        tensor = t
+        return Work()
+
+    tensor = torch.zeros(0)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    monkeypatch.setattr(torch.distributed, "new_group", lambda: "exchange-group")
+    land = adapter._exchange(strategy, 7, 0.4, 0, False)
+    # 4 pairs x (bytes, seconds), the step time and proposal count of each of 3 ranks, and the
+    # flag of rank 0's search.
+    assert sent == [[2 << 20, 0, 0, 0, 0.75, 0, 0, 0, 0, 0, 0.4, 0, 0, 0, 0]]
+    assert waited == []  # posted, not waited for: it lands at the next step
+    landed = land()
+    assert waited == [True]
+    assert landed.step == 7 and landed.rows == [[0, 2, 2 << 20, 0.75]]
+    assert landed.slowest_s == 0.7 and landed.anyone and landed.search_done
+
+
+def test_the_state_round_trips_and_an_older_one_starts_afresh() -> None:
+    strategy = _Rank2([])
+    adapter = DynamicEnvironmentAdapter()
+    trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=0)
+    with pytest.warns(UserWarning):
+        adapter.on_train_start(trainer, None)
+    adapter._split = 2
+    adapter.guard.record(1, 1.0)
+    adapter.guard.begin(1, {"kind": "split", "from": 1, "to": 2}, towards_plan=False)
+    adapter.decisions.append({"step": 1, "kind": "split-applied", "reason": "test"})
+    state = json.loads(json.dumps(adapter.state_dict()))
+    restored = DynamicEnvironmentAdapter()
+    restored.load_state_dict(state)
+    assert restored.state_dict() == adapter.state_dict()
+    assert restored.guard.pending == adapter.guard.pending and restored._split == 2
+    # On resume the split in force is applied again (2 pieces of the plan's 2 micro-batches).
+    resumed = _Rank2([])
+    with pytest.warns(UserWarning):
+        restored.on_train_start(SimpleNamespace(strategy=resumed, loggers=[], global_step=1), None)
+    assert resumed.num_microbatches == 4 and restored.monitor is not None
+
+    older = {"monitor": None, "decisions": [{"kind": "split"}], "base_microbatches": 2}
+    fresh = DynamicEnvironmentAdapter()
+    with pytest.warns(UserWarning, match="from another version"):
+        fresh.load_state_dict(older)
+    assert fresh.decisions == [{"kind": "split"}] and fresh.monitor is None and fresh._split == 1

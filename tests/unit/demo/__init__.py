@@ -1,0 +1,1 @@
+"""Unit tests of the demo models, lightning_deepcee.demo."""

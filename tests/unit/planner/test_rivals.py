@@ -1,0 +1,198 @@
+"""Rivals of a plan: near layouts the cost model cannot rank, listed for the setup trial.
+
+Checked against a brute force over the same cost model: every rival moves the plan's block
+boundaries by at most two blocks in all, keeps its devices, schedule and micro-batches, is
+predicted within the margin and carries its true prediction; every layout that qualifies is
+listed; idle ranks stay idle.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from lightning_deepcee.planner import Plan, predict_plan
+from lightning_deepcee.planner.rivals import choose_rivals, pick_timed, rival_plans
+from lightning_deepcee.planner.search import make_plan, plan_search
+from lightning_deepcee.profiler.data import ClusterProfile
+from tests.helpers.clusters import make_profile, two_zones
+
+
+def _cluster(speeds: list[float], wan: float = 2e7, blocks: int = 12) -> ClusterProfile:
+    zone = np.array([0, 0] + [1] * (len(speeds) - 2))
+    bandwidth = np.where(zone[:, None] == zone[None, :], 1e9, wan)
+    return make_profile(
+        speeds=speeds,
+        num_blocks=blocks,
+        bandwidth=bandwidth,
+        latency=0.001,
+        block_s=0.01,
+        activation_bytes=100_000,
+        parameter_bytes=4_000_000,
+    )
+
+
+def _cuts(plan: Plan) -> tuple[int, ...]:
+    return tuple(st.block_range[0] for st in plan.stages[1:])
+
+
+def _moves(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    return sum(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def _plan(profile: ClusterProfile, schedule: str = "zb-h1") -> Plan:
+    plan = make_plan(
+        profile,
+        [[0], [1], [2], [3]],
+        [(0, 3), (3, 6), (6, 9), (9, 12)],
+        schedule=schedule,
+        num_microbatches=4,
+        global_batch_size=32,
+    )
+    assert plan is not None
+    return plan
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_rivals_are_the_near_layouts_within_the_margin(schedule: str) -> None:
+    profile = _cluster([1.0, 1.1, 0.9, 1.05])
+    plan = _plan(profile, schedule)
+    within = 0.15
+    rivals = rival_plans(profile, plan, count=50, within=within)
+    assert rivals, "equal devices: some near layout is within 15%"
+    limit = plan.predicted_step_time_s * (1 + within)
+    listed = set()
+    for rival in rivals:
+        assert [st.ranks for st in rival.stages] == [st.ranks for st in plan.stages]
+        assert (rival.schedule, rival.num_microbatches) == (schedule, 4)
+        assert 1 <= _moves(_cuts(rival), _cuts(plan)) <= 2
+        assert rival.predicted_step_time_s <= limit * (1 + 1e-12)
+        again = predict_plan(profile, rival).step_time_s
+        assert again == pytest.approx(rival.predicted_step_time_s, rel=1e-9)
+        assert "rival" in rival.notes
+        listed.add(_cuts(rival))
+    times = [r.predicted_step_time_s for r in rivals]
+    assert times == sorted(times)
+    # Brute force: every partition within two moves that the cost model puts under the limit.
+    expected = set()
+    for cuts in itertools.combinations(range(1, 12), 3):
+        if not 1 <= _moves(cuts, _cuts(plan)) <= 2:
+            continue
+        bounds = (0, *cuts, 12)
+        other = make_plan(
+            profile,
+            [[0], [1], [2], [3]],
+            list(itertools.pairwise(bounds)),
+            schedule=schedule,
+            num_microbatches=4,
+            global_batch_size=32,
+        )
+        if other is not None and other.predicted_step_time_s <= limit:
+            expected.add(cuts)
+    assert listed == expected
+
+
+def test_count_and_margin_bound_the_list() -> None:
+    profile = _cluster([1.0, 1.1, 0.9, 1.05])
+    plan = _plan(profile)
+    many = rival_plans(profile, plan, count=50, within=0.15)
+    assert rival_plans(profile, plan, count=2, within=0.15) == many[:2]
+    assert rival_plans(profile, plan, count=0) == []
+    none = rival_plans(profile, plan, count=5, within=0.0)
+    assert all(r.predicted_step_time_s <= plan.predicted_step_time_s for r in none)
+    with pytest.raises(ValueError, match="count"):
+        rival_plans(profile, plan, count=-1)
+    with pytest.raises(ValueError, match="within"):
+        rival_plans(profile, plan, count=1, within=-0.1)
+
+
+def test_rivals_of_a_plan_with_idle_ranks_keep_them_idle() -> None:
+    profile = _cluster([4.0, 4.0, 1.0, 1.0, 1.0, 1.0], wan=1e5)
+    plan = plan_search(profile, num_blocks=12, global_batch_size=32)
+    assert plan.idle_ranks, plan.format_table()
+    rivals = rival_plans(profile, plan, count=4, within=0.5)
+    for rival in rivals:
+        assert rival.idle_ranks == plan.idle_ranks
+        assert rival.ranks == plan.ranks
+        rival.check_matches(12, 6, plan.model_fingerprint, plan.cluster_fingerprint)
+        assert predict_plan(profile, rival).step_time_s == pytest.approx(
+            rival.predicted_step_time_s, rel=1e-9
+        )
+
+
+def test_a_single_stage_has_no_rivals() -> None:
+    profile = _cluster([1.0, 1.0, 1.0, 1.0])
+    plan = make_plan(
+        profile, [[0, 1, 2, 3]], [(0, 12)], schedule="1f1b", num_microbatches=1,
+        global_batch_size=32,
+    )  # fmt: skip
+    assert plan is not None
+    assert rival_plans(profile, plan, count=3) == []
+
+
+def test_the_search_lists_its_alternatives() -> None:
+    # At 10 MB/s both zones are predicted fastest, by less than 20%: a device gain of 0.2 keeps
+    # zone A alone, and the plan on both zones is an alternative.
+    profile = two_zones(1e7)
+    found: list[Plan] = []
+    plan = plan_search(profile, num_blocks=8, global_batch_size=32, device_gain=0.2,
+                       alternatives=found)  # fmt: skip
+    assert plan == plan_search(profile, num_blocks=8, global_batch_size=32, device_gain=0.2)
+    assert plan.ranks == (0, 1), plan.format_table()
+    assert found, "the search scored other candidates"
+    assert any(set(p.ranks) & {2, 3, 4, 5} for p in found), [p.ranks for p in found]
+    keys = [p.layout_key for p in [plan, *found]]
+    assert len(set(keys)) == len(keys), "each layout once, never the plan's"
+    times = [p.predicted_step_time_s for p in found]
+    assert times == sorted(times)
+    for p in found:
+        p.check_matches(8, 6, plan.model_fingerprint, plan.cluster_fingerprint)
+        assert predict_plan(profile, p).step_time_s == pytest.approx(
+            p.predicted_step_time_s, rel=1e-9
+        )
+
+
+def test_choose_rivals_gives_half_the_places_to_other_structures() -> None:
+    profile = two_zones(1e7)
+    found: list[Plan] = []
+    plan = plan_search(profile, num_blocks=8, global_batch_size=32, device_gain=0.2,
+                       alternatives=found)  # fmt: skip
+    limit = plan.predicted_step_time_s * 1.10
+    close = [p for p in found if p.predicted_step_time_s <= limit]
+    near = rival_plans(profile, plan, count=8)
+    chosen = choose_rivals(profile, plan, found, count=4)
+    assert len(chosen) <= 4
+    assert all(p.predicted_step_time_s <= limit * (1 + 1e-12) for p in chosen)
+    times = [p.predicted_step_time_s for p in chosen]
+    assert times == sorted(times)
+    structures = [p for p in chosen if "alternative" in p.notes]
+    assert len(structures) == min(len(close), 2 if near else 4), (len(close), len(near))
+    assert choose_rivals(profile, plan, [], count=3) == rival_plans(profile, plan, count=3)
+    assert choose_rivals(profile, plan, [plan], count=3) == rival_plans(profile, plan, count=3)
+
+
+def _on(ranks: tuple[int, ...]) -> Plan:
+    profile = two_zones(1e7)
+    plan = make_plan(
+        profile, [list(ranks)], [(0, 8)], schedule="1f1b", num_microbatches=4,
+        global_batch_size=32,
+    )  # fmt: skip
+    assert plan is not None
+    return plan
+
+
+def test_pick_timed_applies_the_searchs_rule_to_the_clock() -> None:
+    two, three, six = _on((0, 1)), _on((0, 1, 2)), _on((0, 1, 2, 3, 4, 5))
+    # Same devices: the fastest, but the searched plan (index 0) unless beaten by 2%.
+    assert pick_timed([two, two, two], [1.0, 0.9, 0.95], device_gain=0.05) == 1
+    assert pick_timed([two, two], [1.0, 0.99], device_gain=0.05) == 0
+    # More devices must be device_gain faster; fewer devices win within it.
+    assert pick_timed([two, six], [1.0, 0.96], device_gain=0.05) == 0
+    assert pick_timed([two, six], [1.0, 0.90], device_gain=0.05) == 1
+    assert pick_timed([six, two], [0.96, 1.0], device_gain=0.05) == 1
+    assert pick_timed([six, three, two], [0.80, 0.82, 0.95], device_gain=0.05) == 1
+    assert pick_timed([six, two], [0.96, 1.0], device_gain=0.0) == 0
+    with pytest.raises(ValueError, match="2 plans and 1 timings"):
+        pick_timed([two, six], [1.0], device_gain=0.05)
