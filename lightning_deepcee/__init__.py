@@ -12,15 +12,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from lightning_deepcee._registry import register_when_lightning_loads
+from lightning_deepcee._version import VERSION
 
 if TYPE_CHECKING:
-    from lightning_deepcee.adapter.callback import DynamicEnvironmentAdapter
-    from lightning_deepcee.callbacks import PipelineThroughputMonitor
-    from lightning_deepcee.checkpoint import consolidate_checkpoint
-    from lightning_deepcee.elastic import ElasticCheckpoint
+    from lightning_deepcee.callbacks.adapter import DynamicEnvironmentAdapter
+    from lightning_deepcee.callbacks.elastic_checkpoint import ElasticCheckpoint
+    from lightning_deepcee.callbacks.throughput import PipelineThroughputMonitor
+    from lightning_deepcee.runtime.checkpoint import consolidate_checkpoint
     from lightning_deepcee.runtime.liveness import DeviceLostError, RankFailedError
     from lightning_deepcee.runtime.stage import PipelineSpec
-    from lightning_deepcee.strategy import DeepCEEStrategy
+    from lightning_deepcee.strategy.deepcee import DeepCEEStrategy
 
 __all__ = [
     "DeepCEEStrategy",
@@ -32,17 +33,17 @@ __all__ = [
     "RankFailedError",
     "consolidate_checkpoint",
 ]
-__version__ = "0.1.0"
+__version__ = VERSION
 
 _WHERE = {
     "DeepCEEStrategy": "lightning_deepcee.strategy",
     "DeviceLostError": "lightning_deepcee.runtime.liveness",
-    "DynamicEnvironmentAdapter": "lightning_deepcee.adapter.callback",
-    "ElasticCheckpoint": "lightning_deepcee.elastic",
+    "DynamicEnvironmentAdapter": "lightning_deepcee.callbacks",
+    "ElasticCheckpoint": "lightning_deepcee.callbacks",
     "PipelineSpec": "lightning_deepcee.runtime.stage",
     "PipelineThroughputMonitor": "lightning_deepcee.callbacks",
     "RankFailedError": "lightning_deepcee.runtime.liveness",
-    "consolidate_checkpoint": "lightning_deepcee.checkpoint",
+    "consolidate_checkpoint": "lightning_deepcee.runtime.checkpoint",
 }
 
 

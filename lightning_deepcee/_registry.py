@@ -24,7 +24,7 @@ NAME = "deepcee"
 
 def _make_strategy(**kwargs: Any) -> Any:
     """What ``StrategyRegistry.get("deepcee")`` calls: the strategy, imported on first use."""
-    from lightning_deepcee.strategy import DeepCEEStrategy
+    from lightning_deepcee.strategy.deepcee import DeepCEEStrategy
 
     return DeepCEEStrategy(**kwargs)
 

@@ -17,7 +17,7 @@ __all__ = ["main"]
 def _consolidate(args: argparse.Namespace) -> int:
     import torch
 
-    from lightning_deepcee.checkpoint import consolidate_checkpoint
+    from lightning_deepcee.runtime.checkpoint import consolidate_checkpoint
 
     state = consolidate_checkpoint(args.checkpoint)
     torch.save(state, args.output)

@@ -44,7 +44,7 @@ from lightning_deepcee.adapter.replan import (
 )
 
 if TYPE_CHECKING:
-    from lightning_deepcee.adapter.callback import DynamicEnvironmentAdapter
+    from lightning_deepcee.callbacks.adapter import DynamicEnvironmentAdapter
 
 __all__ = [
     "ActionGuard",
@@ -78,7 +78,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """``DynamicEnvironmentAdapter`` loads Lightning: imported on first use (PEP 562)."""
     if name == "DynamicEnvironmentAdapter":
-        from lightning_deepcee.adapter.callback import DynamicEnvironmentAdapter
+        from lightning_deepcee.callbacks.adapter import DynamicEnvironmentAdapter
 
         return DynamicEnvironmentAdapter
     raise AttributeError(f"module 'lightning_deepcee.adapter' has no attribute {name!r}")

@@ -2,7 +2,7 @@
 new plan is worth moving blocks for.
 
 Pure (stdlib plus the pure core: profiler data, planner), tested in one process. The Lightning
-Callback (:class:`~lightning_deepcee.adapter.callback.DynamicEnvironmentAdapter`) reads its
+Callback (:class:`~lightning_deepcee.callbacks.adapter.DynamicEnvironmentAdapter`) reads its
 monitor's link figures (every rank's monitor sees every rank's transfers), calls
 :func:`observed_profile` and :func:`choose_replan` on rank 0, broadcasts the
 :class:`ReplanChoice` and, when it says so, has the strategy move the blocks
@@ -266,7 +266,8 @@ def choose_replan(
     not worth it. ``search(profile, num_blocks=..., global_batch_size=...)`` defaults
     to :func:`~lightning_deepcee.planner.plan_search`; its ``ValueError`` (nothing fits) becomes
     a choice not to apply. ``current_s``: the running plan's step as the clock measured it, on
-    the model's scale (``replanning.clocked_step``), in place of its prediction.
+    the model's scale (``Replanner.clocked_step`` in ``callbacks/replanner.py``), in place of
+    its prediction.
     """
     if not (isinstance(gain, int | float) and not isinstance(gain, bool) and 0 <= gain < 1):
         raise ValueError(f"choose_replan: gain must be in [0, 1), got {gain!r}")

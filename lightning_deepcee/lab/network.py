@@ -463,7 +463,7 @@ class _DropHtbQuantum(logging.Filter):
 
 
 def _quiet_htb_warnings() -> None:
-    # htb warns "quantum of class ... is big" at high rates; harmless (DESIGN.md), and Mininet
+    # htb warns "quantum of class ... is big" at high rates; harmless (docs/lab.md), and Mininet
     # logs it as an error once per interface.
     from mininet.log import lg
 

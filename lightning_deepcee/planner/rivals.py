@@ -4,8 +4,9 @@ The cost model is right to about 10-15% on a measured profile, and a profile tak
 device is busy reads each device a few percent off from one setup to the next. Layouts whose
 predictions lie that close are a coin toss for the model, and a different one wins each time
 the profile is taken. :func:`rival_plans` lists them, so that setup can time each for a few
-steps (``lightning_deepcee.plan_trial``) and keep the fastest by the clock; :func:`choose_rivals`
-adds the search's best plans of other structures (``plan_search(alternatives=...)``).
+steps (``lightning_deepcee.strategy.plan_trial``) and keep the fastest by the clock;
+:func:`choose_rivals` adds the search's best plans of other structures
+(``plan_search(alternatives=...)``).
 
 A rival of :func:`rival_plans` keeps the plan's devices, stage order, schedule and micro-batch
 count and moves block boundaries by at most two blocks in all (one boundary by one or two

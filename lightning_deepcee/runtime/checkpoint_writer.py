@@ -6,10 +6,10 @@ meet in the rendezvous store, not in a collective of the process group (which th
 uses at the same time): all ranks arrive before anyone writes (rank 0 has removed a crashed
 save's leftovers by then), every rank writes its files into the hidden ``.NAME.partial``
 directory, and when all have written, rank 0 swaps it in place of ``NAME``
-(:func:`~lightning_deepcee.checkpoint.commit_partial`); every rank's save ends with that commit,
-so no rank resumes before it. A save interrupted by a lost device never commits, so the previous
-checkpoint stays the newest complete one. Removals of older checkpoints wait for the save in
-flight to commit, so there is always one complete checkpoint on disk.
+(:func:`~lightning_deepcee.runtime.checkpoint.commit_partial`); every rank's save ends with that
+commit, so no rank resumes before it. A save interrupted by a lost device never commits, so the
+previous checkpoint stays the newest complete one. Removals of older checkpoints wait for the save
+in flight to commit, so there is always one complete checkpoint on disk.
 
 One save is in flight at a time: the next save, and the end of training, wait for it. With
 ``asynchronous=False`` every save waits for its own commit (the classic blocking save).
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_deepcee.checkpoint import commit_partial, partial_dir
+from lightning_deepcee.runtime.checkpoint import commit_partial, partial_dir
 from lightning_deepcee.runtime.liveness import key_prefix, wait_for_ranks
 
 __all__ = ["CheckpointWriter", "SaveRecord", "snapshot"]

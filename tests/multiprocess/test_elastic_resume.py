@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_deepcee.checkpoint import newest_checkpoint
+from lightning_deepcee.runtime.checkpoint import newest_checkpoint
 from tests.helpers.equivalence import assert_params_close
 from tests.helpers.launch import torchrun
 from tests.helpers.paths import WORKERS

@@ -5,7 +5,7 @@ whose ``idle_ranks`` hold no stage: ranks 1 and 3 idle; a re-plan that brings ra
 tied weight and optimizer state move onto it); a resume from a checkpoint saved with ranks 1
 and 3 idle onto a plan that uses all four. Parameters, validation loss and predictions must
 equal a single-process run; idle ranks must hold no parameters and read one batch, not every
-batch (a stand-in, ``lightning_deepcee.loaders``).
+batch (a stand-in, ``lightning_deepcee.runtime.loaders``).
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_deepcee.plan_spread import assign_calls, spread, spread_plan_search
 from lightning_deepcee.planner.search import plan_search
 from lightning_deepcee.planner.subsets import restrict
 from lightning_deepcee.profiler.data import ClusterProfile
+from lightning_deepcee.runtime.spread_search import assign_calls, spread, spread_plan_search
 from tests.helpers.paths import EXAMPLE_PROFILE as EXAMPLE
 
 pytestmark = pytest.mark.multiprocess

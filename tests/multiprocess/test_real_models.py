@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_deepcee.checkpoint import shard_file
+from lightning_deepcee.runtime.checkpoint import shard_file
 from tests.helpers.launch import torchrun, write_configs
 from tests.helpers.paths import WORKERS
 from tests.multiprocess.workers.real_models_worker import GPT2_SIZES, make_loader, make_model

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_deepcee.step_figures import StepFigures
+from lightning_deepcee.runtime.step_figures import StepFigures
 
 pytestmark = pytest.mark.multiprocess
 

@@ -16,8 +16,6 @@ from tests.helpers.paths import ROOT
 PKG = ROOT / "lightning_deepcee"
 CORE = ["schedule", "planner", "profiler", "adapter"]
 FORBIDDEN = ("lightning", "pytorch_lightning", "torch")
-SHIMS = {"adapter/callback.py", "adapter/replanning.py"}
-"""The adapter's Lightning shim (the Callback and its slow response) over the pure core."""
 
 
 def _imports(path: Path) -> list[str]:
@@ -37,7 +35,6 @@ def test_core_imports_no_torch_or_lightning(package: str) -> None:
     bad = [
         f"{f.relative_to(PKG)}: {name}"
         for f in files
-        if str(f.relative_to(PKG)) not in SHIMS
         for name in _imports(f)
         if name.split(".")[0] in FORBIDDEN
     ]

@@ -100,9 +100,9 @@ def _watch_trial(
     ``layout`` (``[[ranks, [start, end]], ...]``) stands in for the search's plan (the tiny
     model alone would be planned on one device, which has no rivals), and ``alternative`` (on
     fewer ranks: the others idle) for its alternative of another structure, predicted alike."""
-    import lightning_deepcee.plan_spread as plan_spread_module
-    import lightning_deepcee.plan_trial as plan_trial
-    import lightning_deepcee.strategy as strategy_module
+    import lightning_deepcee.runtime.spread_search as plan_spread_module
+    import lightning_deepcee.strategy.deepcee as strategy_module
+    import lightning_deepcee.strategy.plan_trial as plan_trial
     from lightning_deepcee.planner import make_plan
     from lightning_deepcee.planner.subsets import lift, restrict
 
@@ -181,9 +181,9 @@ def run(cfg: dict[str, Any], out: Path) -> None:
         )  # fmt: skip
         model.configure_pipeline = lambda: broken  # type: ignore[method-assign]
     if "expect_error" in cfg:
-        real_version = lightning_deepcee.__version__
+        real_version = lightning_deepcee._version.VERSION
         if cfg.get("fake_version_on_rank") == rank:
-            lightning_deepcee.__version__ = "0.0.0+other"
+            lightning_deepcee._version.VERSION = "0.0.0+other"
         try:
             make_trainer(cfg, target).fit(model, loader)
         except Exception as exc:
@@ -192,7 +192,7 @@ def run(cfg: dict[str, Any], out: Path) -> None:
             if rank == 0:
                 (target / "error.txt").write_text(f"{type(exc).__name__}: {exc}")
         finally:
-            lightning_deepcee.__version__ = real_version
+            lightning_deepcee._version.VERSION = real_version
         return
     if cfg.get("resume"):
         # Train one epoch, save, then resume in a fresh trainer and model for a second epoch.

@@ -25,7 +25,8 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_deepcee import DynamicEnvironmentAdapter
-from lightning_deepcee.adapter import Decision, replanning, search_process
+from lightning_deepcee.adapter import Decision, search_process
+from lightning_deepcee.callbacks import replanner as replanning
 from lightning_deepcee.planner import Plan
 from tests.helpers.models import TinyNet, make_loader
 from tests.helpers.workers import run_configs

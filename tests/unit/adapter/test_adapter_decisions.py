@@ -29,11 +29,11 @@ from lightning_deepcee.adapter import (
     link_expectations,
     observed_profile,
     plan_pairs,
-    replanning,
     search_process,
     with_microbatches,
 )
 from lightning_deepcee.adapter.exchange import Exchanged
+from lightning_deepcee.callbacks import replanner as replanning
 from lightning_deepcee.planner import Plan, predict_plan
 from lightning_deepcee.profiler import ClusterProfile, DeviceProfile
 from tests.helpers.plans import hand_plan
@@ -374,7 +374,7 @@ def test_the_clock_reference_is_taken_only_while_the_links_are_as_profiled(
 
     run = _run(monkeypatch, 200, early, replan_after=1000)
     assert _acted(run)  # a split while degraded, a merge after
-    ((key, (measured, predicted)),) = run.adapter._clock.items()
+    ((key, (measured, predicted)),) = run.adapter.replanner.clock.items()
     assert json.loads(key)[1] == 1  # the plan's own count, not the split
     assert measured == pytest.approx(predicted, rel=0.05)
 

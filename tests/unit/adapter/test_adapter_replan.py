@@ -30,9 +30,9 @@ from lightning_deepcee.adapter import (
     figures_from_decision,
     link_figures,
     observed_profile,
-    replanning,
 )
 from lightning_deepcee.adapter.search_process import SearchProcess
+from lightning_deepcee.callbacks import replanner as replanning
 from lightning_deepcee.planner import Plan, StagePlan, plan_search, predict_plan
 from lightning_deepcee.profiler import ClusterProfile, DeviceProfile
 from lightning_deepcee.runtime import build_stage, get_pipeline_spec
@@ -222,35 +222,35 @@ def _profiled_adapter() -> tuple[DynamicEnvironmentAdapter, DeepCEEStrategy, Any
     strategy.plan = _dp_plan((0, 1, 2))
     trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=30)
     adapter = DynamicEnvironmentAdapter()
-    adapter._base_microbatches = 2
+    adapter.split_state.base_microbatches = 2
     return adapter, strategy, trainer
 
 
 def test_a_replan_decision_reaches_the_slow_response() -> None:
     adapter, strategy, trainer = _profiled_adapter()
     adapter._decide(trainer, strategy, [_replan_decision()])  # world 1: no collective
-    search = adapter._search
-    assert search is not None and search["replans"][0]["kind"] == "replan"
+    search = adapter.replanner.search
+    assert search is not None and search.replans[0]["kind"] == "replan"
     assert adapter.decisions[-1]["kind"] == "replan-search"
     # The search runs in a child process on the searcher (rank 0: no device is idle) while
     # training goes on; every rank takes its outcome when the searcher says it is done.
-    job = search["job"]
+    job = search.job
     assert job is not None
     outcome = job.result()
     assert job.done() and outcome["current_step_time_s"] > 0
     # A second proposal while it runs starts no second search.
     adapter._decide(trainer, strategy, [_replan_decision()])
-    assert adapter._search is search and adapter.decisions[-1]["kind"] == "replan-skipped"
-    replanning.finish_replan(adapter, trainer, strategy)
-    assert adapter._search is None
+    assert adapter.replanner.search is search and adapter.decisions[-1]["kind"] == "replan-skipped"
+    adapter.replanner.finish(trainer, strategy)
+    assert adapter.replanner.search is None
     assert adapter.decisions[-1]["kind"] in ("replan-applied", "replan-kept")
 
 
 def test_a_search_is_dropped_when_the_configuration_changed_meanwhile() -> None:
     adapter, strategy, trainer = _profiled_adapter()
     adapter._decide(trainer, strategy, [_replan_decision()])
-    adapter._new_monitor(strategy)  # the layout changed while the search ran (a revert)
-    replanning.finish_replan(adapter, trainer, strategy)
+    adapter.new_monitor(strategy)  # the layout changed while the search ran (a revert)
+    adapter.replanner.finish(trainer, strategy)
     assert adapter.decisions[-1]["kind"] == "replan-dropped"
     assert strategy.plan == _dp_plan((0, 1, 2))
 
@@ -259,10 +259,11 @@ def test_a_search_is_dropped_when_the_links_changed_state_meanwhile() -> None:
     """A search that ends after the link it was for recovered is not moved to."""
     adapter, strategy, trainer = _profiled_adapter()
     adapter._decide(trainer, strategy, [_replan_decision()])
-    assert adapter._search is not None and adapter._search["signature"] == adapter._signature()
-    adapter._search["signature"] = [["0->1", "degraded"]]  # it began on a degraded link ...
-    assert adapter._signature() == []  # ... which every link's state now calls normal
-    replanning.finish_replan(adapter, trainer, strategy)
+    search = adapter.replanner.search
+    assert search is not None and search.signature == adapter.signature()
+    search.signature = [["0->1", "degraded"]]  # it began on a degraded link ...
+    assert adapter.signature() == []  # ... which every link's state now calls normal
+    adapter.replanner.finish(trainer, strategy)
     dropped = adapter.decisions[-1]
     assert dropped["kind"] == "replan-dropped" and "changed state" in dropped["reason"]
     assert strategy.plan == _dp_plan((0, 1, 2))
@@ -278,9 +279,9 @@ def test_a_failed_search_process_raises_its_error() -> None:
 def test_a_cancelled_search_process_stops() -> None:
     adapter, strategy, trainer = _profiled_adapter()
     adapter._decide(trainer, strategy, [_replan_decision()])
-    job = adapter._search["job"]  # type: ignore[index]
+    job = adapter.replanner.search.job  # type: ignore[union-attr]
     adapter.on_train_end(trainer, None)  # type: ignore[arg-type]
-    assert adapter._search is None and job.done()
+    assert adapter.replanner.search is None and job.done()
     with pytest.raises(ProcessLookupError):
         os.kill(job.pid, 0)  # reaped, not a zombie
 
@@ -307,29 +308,29 @@ def test_no_search_starts_when_none_can_gain_the_margin() -> None:
     """A plan's step on slower links is at least its step on setup's: when the running plan on
     the links as measured is within the margin of setup's plan on setup's, no search starts."""
     adapter, strategy, trainer = _profiled_adapter()
-    observed, _ = adapter._observed(strategy, [_replan_decision()])
+    observed, _ = adapter.observed(strategy, [_replan_decision()])
     running_s = predict_plan(observed, strategy.plan).step_time_s
-    adapter._floor_s = running_s * 0.95  # the margin is 10%
+    adapter.replanner.floor_s = running_s * 0.95  # the margin is 10%
     adapter._decide(trainer, strategy, [_replan_decision()])
     kept = adapter.decisions[-1]
-    assert adapter._search is None
+    assert adapter.replanner.search is None
     assert kept["kind"] == "replan-kept" and "no plan can gain the margin 10%" in kept["reason"]
-    adapter._floor_s = running_s * 0.85
+    adapter.replanner.floor_s = running_s * 0.85
     adapter._decide(trainer, strategy, [_replan_decision()])
-    assert adapter._search is not None and adapter.decisions[-1]["kind"] == "replan-search"
+    assert adapter.replanner.search is not None and adapter.decisions[-1]["kind"] == "replan-search"
     adapter.on_train_end(trainer, None)  # type: ignore[arg-type]
 
 
 def test_the_floor_is_setups_plan_on_setups_profile_and_survives_a_resume() -> None:
-    from lightning_deepcee.adapter.callback import _setup_floor
+    from lightning_deepcee.callbacks.adapter import _setup_floor
 
     adapter, strategy, _ = _profiled_adapter()
     floor = _setup_floor(strategy)
     assert floor == pytest.approx(predict_plan(strategy.cluster_profile, strategy.plan).step_time_s)
-    adapter._floor_s = floor
+    adapter.replanner.floor_s = floor
     restored = DynamicEnvironmentAdapter()
     restored.load_state_dict(adapter.state_dict())
-    assert restored._floor_s == floor
+    assert restored.replanner.floor_s == floor
     manual = DeepCEEStrategy(schedule="1f1b", num_microbatches=2)
     manual.cluster_profile = _profile()
     manual.plan = dataclasses.replace(_dp_plan((0, 1, 2)), notes="manual layout")
@@ -341,7 +342,7 @@ def test_a_replan_without_a_profile_is_logged_and_skipped() -> None:
     assert strategy.cluster_profile is None
     trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=30)
     adapter = DynamicEnvironmentAdapter()
-    adapter._base_microbatches = 2
+    adapter.split_state.base_microbatches = 2
     adapter._decide(trainer, strategy, [_replan_decision()])  # no collective on this path
     skipped = adapter.decisions[-1]
     assert skipped["kind"] == "replan-skipped" and "needs a cluster profile" in skipped["reason"]
@@ -349,7 +350,7 @@ def test_a_replan_without_a_profile_is_logged_and_skipped() -> None:
     # The state round-trips (resume) with the new fields.
     restored = DynamicEnvironmentAdapter()
     restored.load_state_dict(adapter.state_dict())
-    assert restored.decisions == adapter.decisions and restored._replanned is None
+    assert restored.decisions == adapter.decisions and restored.replanner.replanned is None
 
 
 # --------------------------------------------------------------------------- check_plan
@@ -459,27 +460,27 @@ def test_a_rise_capped_at_the_setup_figure_starts_no_search() -> None:
     adapter, strategy, trainer = _profiled_adapter()  # 1e8 B/s between every pair
     faster = {**_replan_decision(), "old_bandwidth": 1e8, "new_bandwidth": 2e8}
     adapter._decide(trainer, strategy, [faster])
-    assert adapter._search is None
+    assert adapter.replanner.search is None
     kept = adapter.decisions[-1]
     assert kept["kind"] == "replan-kept" and "change no figure" in kept["reason"]
     # A drop does change the profile: that one is searched.
     adapter._decide(trainer, strategy, [_replan_decision()])
-    assert adapter._search is not None
+    assert adapter.replanner.search is not None
 
 
 def _clock_reference(adapter: DynamicEnvironmentAdapter, strategy: DeepCEEStrategy) -> float:
     """Steps of 1 s while the links are as profiled: the configuration's clock reference.
     Returns the model's prediction it pairs with."""
-    adapter._new_monitor(strategy)
+    adapter.new_monitor(strategy)
     assert adapter.monitor is not None and adapter.monitor.calibrated  # no link to calibrate
     confirm = adapter.config.window + adapter.config.react_after
     for step in range(adapter.guard.config.window + confirm):
         adapter.guard.record(step, 1.0)
-        replanning.note_clock(adapter, strategy, step)
+        adapter.replanner.note_clock(strategy, step)
         # A candidate is the reference once the links stayed as profiled long enough for the
         # monitor to have flagged a change inside its window.
-        assert bool(adapter._clock) == (step >= adapter.guard.config.window - 1 + confirm)
-    ((measured, predicted),) = adapter._clock.values()
+        assert bool(adapter.replanner.clock) == (step >= adapter.guard.config.window - 1 + confirm)
+    ((measured, predicted),) = adapter.replanner.clock.values()
     assert measured == 1.0
     assert predicted == pytest.approx(predict_plan(_profile(), strategy.plan).step_time_s)
     return predicted
@@ -490,20 +491,20 @@ def test_the_clock_starts_a_search_the_model_alone_thinks_hopeless() -> None:
     runs twice the model's figure, so a search starts and judges plans against that."""
     adapter, strategy, trainer = _profiled_adapter()
     reference = _clock_reference(adapter, strategy)
-    observed, _ = adapter._observed(strategy, [_replan_decision()])
+    observed, _ = adapter.observed(strategy, [_replan_decision()])
     running_s = predict_plan(observed, strategy.plan).step_time_s
-    adapter._floor_s = running_s * 0.95  # the model alone: within the margin of the floor
+    adapter.replanner.floor_s = running_s * 0.95  # the model alone: within the margin of the floor
     slower = 2 * running_s / reference  # the clock: twice the model's figure
     for step in range(30, 30 + adapter.guard.config.window):
         adapter.guard.record(step, slower)
-        replanning.note_clock(adapter, strategy, step)
-    assert len(adapter._clock) == 1  # one reference per configuration, taken once
-    clocked = replanning.clocked_step(adapter, strategy)
+        adapter.replanner.note_clock(strategy, step)
+    assert len(adapter.replanner.clock) == 1  # one reference per configuration, taken once
+    clocked = adapter.replanner.clocked_step(strategy)
     assert clocked == pytest.approx((2 * running_s, slower))
     adapter._decide(trainer, strategy, [_replan_decision()])
-    search = adapter._search
+    search = adapter.replanner.search
     assert search is not None and adapter.decisions[-1]["kind"] == "replan-search"
-    assert search["job"].result()["current_step_time_s"] == pytest.approx(2 * running_s)
+    assert search.job.result()["current_step_time_s"] == pytest.approx(2 * running_s)
     adapter.on_train_end(trainer, None)  # type: ignore[arg-type]
 
 
@@ -512,18 +513,18 @@ def test_the_clock_keeps_a_plan_whose_steps_did_not_slow() -> None:
     slow at all (the transfers hide behind compute): no search starts."""
     adapter, strategy, trainer = _profiled_adapter()
     reference = _clock_reference(adapter, strategy)
-    adapter._floor_s = reference  # setup's plan on setup's profile
+    adapter.replanner.floor_s = reference  # setup's plan on setup's profile
     slow = dict(_replan_decision(), new_bandwidth=2e3)
-    observed, _ = adapter._observed(strategy, [slow])
+    observed, _ = adapter.observed(strategy, [slow])
     assert predict_plan(observed, strategy.plan).step_time_s * 0.9 > reference
     adapter._decide(trainer, strategy, [slow])
     kept = adapter.decisions[-1]
-    assert adapter._search is None and kept["kind"] == "replan-kept"
+    assert adapter.replanner.search is None and kept["kind"] == "replan-kept"
     assert "in the cost model's scale (measured 1000.0 ms" in kept["reason"]
     # Without the clock's reference the model alone starts a search.
-    adapter._clock.clear()
+    adapter.replanner.clock.clear()
     adapter._decide(trainer, strategy, [slow])
-    assert adapter._search is not None and adapter.decisions[-1]["kind"] == "replan-search"
+    assert adapter.replanner.search is not None and adapter.decisions[-1]["kind"] == "replan-search"
     adapter.on_train_end(trainer, None)  # type: ignore[arg-type]
 
 

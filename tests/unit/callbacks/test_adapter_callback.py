@@ -125,7 +125,7 @@ def test_the_state_round_trips_and_an_older_one_starts_afresh() -> None:
     trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=0)
     with pytest.warns(UserWarning):
         adapter.on_train_start(trainer, None)
-    adapter._split = 2
+    adapter.split_state.split = 2
     adapter.guard.record(1, 1.0)
     adapter.guard.begin(1, {"kind": "split", "from": 1, "to": 2}, towards_plan=False)
     adapter.decisions.append({"step": 1, "kind": "split-applied", "reason": "test"})
@@ -133,7 +133,7 @@ def test_the_state_round_trips_and_an_older_one_starts_afresh() -> None:
     restored = DynamicEnvironmentAdapter()
     restored.load_state_dict(state)
     assert restored.state_dict() == adapter.state_dict()
-    assert restored.guard.pending == adapter.guard.pending and restored._split == 2
+    assert restored.guard.pending == adapter.guard.pending and restored.split_state.split == 2
     # On resume the split in force is applied again (2 pieces of the plan's 2 micro-batches).
     resumed = _Rank2([])
     with pytest.warns(UserWarning):
@@ -144,4 +144,5 @@ def test_the_state_round_trips_and_an_older_one_starts_afresh() -> None:
     fresh = DynamicEnvironmentAdapter()
     with pytest.warns(UserWarning, match="from another version"):
         fresh.load_state_dict(older)
-    assert fresh.decisions == [{"kind": "split"}] and fresh.monitor is None and fresh._split == 1
+    assert fresh.decisions == [{"kind": "split"}] and fresh.monitor is None
+    assert fresh.split_state.split == 1

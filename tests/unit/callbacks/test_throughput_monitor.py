@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_deepcee import DeepCEEStrategy, PipelineThroughputMonitor
-from lightning_deepcee import callbacks as callbacks_module
+from lightning_deepcee.callbacks import throughput as callbacks_module
 from lightning_deepcee.planner import Plan
 from tests.helpers.plans import hand_plan
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from lightning_deepcee.plan_spread import assign_calls, spread
 from lightning_deepcee.planner.candidates import SearchContext
 from lightning_deepcee.planner.evaluator import Evaluator
 from lightning_deepcee.planner.plan import Plan
 from lightning_deepcee.planner.search import plan_search
 from lightning_deepcee.profiler.data import ClusterProfile
+from lightning_deepcee.runtime.spread_search import assign_calls, spread
 from tests.helpers.clusters import random_profile
 from tests.helpers.paths import EXAMPLE_PROFILE as EXAMPLE
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_deepcee.checkpoint import (
+from lightning_deepcee.runtime.checkpoint import (
     commit_partial,
     consolidate_checkpoint,
     load_sharded,

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_deepcee.checkpoint import META_FILE, newest_checkpoint, partial_dir
+from lightning_deepcee.runtime.checkpoint import META_FILE, newest_checkpoint, partial_dir
 from lightning_deepcee.runtime.checkpoint_writer import CheckpointWriter, snapshot
 
 

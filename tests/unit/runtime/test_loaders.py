@@ -1,4 +1,5 @@
-"""The loaders of lightning_deepcee.loaders: stand-ins on idle ranks, resume, re-plans mid-epoch."""
+"""The loaders of lightning_deepcee.runtime.loaders: stand-ins on idle ranks, resume, re-plans
+mid-epoch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from lightning_deepcee.loaders import (
+from lightning_deepcee.runtime.loaders import (
     StepLoader,
     TrainLoader,
     real_batch,
@@ -185,7 +186,7 @@ def test_setup_warns_of_user_batch_hooks_only_when_ranks_are_idle() -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import LearningRateMonitor
 
-    from lightning_deepcee.callbacks import PipelineThroughputMonitor
+    from lightning_deepcee.callbacks.throughput import PipelineThroughputMonitor
 
     class Plain(pl.LightningModule):
         pass

@@ -5,8 +5,8 @@
 replica, placement), builds this rank's part with :meth:`~PipelineLayoutStrategy._build` (the
 one path used by setup, re-plan and resume) and switches plans between two steps
 (:meth:`~PipelineLayoutStrategy.apply_plan`).
-:class:`~lightning_deepcee.elastic_strategy.ElasticStrategy` adds the sharded checkpoints and
-the restarts, :class:`~lightning_deepcee.strategy.DeepCEEStrategy` setup and the steps.
+:class:`~lightning_deepcee.strategy.elastic.ElasticStrategy` adds the sharded checkpoints and
+the restarts, :class:`~lightning_deepcee.strategy.deepcee.DeepCEEStrategy` setup and the steps.
 """
 
 from __future__ import annotations
@@ -30,11 +30,18 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from lightning_deepcee._compat import mock_optimizer, optimizers_to_device
-from lightning_deepcee.checkpoint import repartition
 from lightning_deepcee.planner import Plan
-from lightning_deepcee.precision import wrap_precision
 from lightning_deepcee.profiler import ClusterProfile
-from lightning_deepcee.runtime import PipelineExecutor, PipelineSpec, Stage, build_stage
+from lightning_deepcee.runtime import (
+    PipelineExecutor,
+    PipelineSpec,
+    Stage,
+    batch_size_of,
+    build_stage,
+    split_batch,
+    split_sizes,
+)
+from lightning_deepcee.runtime.checkpoint import repartition
 from lightning_deepcee.runtime.layout import (
     ManualLayout,
     batch_dependent_modules,
@@ -45,16 +52,19 @@ from lightning_deepcee.runtime.layout import (
 )
 from lightning_deepcee.runtime.measure import model_fingerprint
 from lightning_deepcee.runtime.relayout import move_shards, routes
-from lightning_deepcee.runtime.stage import IDLE, TiedParameter
+from lightning_deepcee.runtime.stage import TiedParameter
 from lightning_deepcee.runtime.ties import (
     TieGroup,
     broadcast_initial_weights,
     canonical_names,
     make_tie_groups,
     owned_state_dict,
+    sync_copies,
 )
 from lightning_deepcee.runtime.transport import TransferRecord, all_reduce_
 from lightning_deepcee.runtime.values import cat_values
+from lightning_deepcee.strategy.placement import Placement
+from lightning_deepcee.strategy.precision import wrap_precision
 
 __all__ = ["PipelineLayoutStrategy"]
 
@@ -62,7 +72,7 @@ __all__ = ["PipelineLayoutStrategy"]
 class PipelineLayoutStrategy(DDPStrategy):
     """A DDP-launched strategy whose ranks run the stages of one :class:`Plan`.
 
-    Not used on its own: :class:`~lightning_deepcee.strategy.DeepCEEStrategy` sets the
+    Not used on its own: :class:`~lightning_deepcee.strategy.deepcee.DeepCEEStrategy` sets the
     attributes declared here in its ``__init__``.
     """
 
@@ -98,56 +108,46 @@ class PipelineLayoutStrategy(DDPStrategy):
         return self.plan.schedule if self.plan is not None else self._manual.schedule
 
     @property
+    def where(self) -> Placement:
+        """Where this rank sits in the running plan (before set-up makes one: in the manual
+        layout's arguments)."""
+        if self.plan is not None:
+            return Placement.of_plan(self.plan, self.global_rank)
+        return Placement.of_manual(self._manual, self.world_size, self.global_rank)
+
+    @property
     def num_stages(self) -> int:
         """Pipeline depth (stages per replica)."""
-        if self.plan is not None:
-            return self.plan.num_stages
-        return self._manual.stages(self.world_size)
+        return self.where.num_stages
 
     @property
     def num_replicas(self) -> int:
-        """Data-parallel pipeline replicas, each reading its own shard of the data.
-
-        A planned layout has one: devices sharing a stage split every micro-batch by rows instead.
-        """
-        if self.plan is not None:
-            return self.plan.num_replicas
-        return self.world_size // self.num_stages
+        """Data-parallel pipeline replicas, each reading its own shard of the data."""
+        return self.where.num_replicas
 
     @property
     def placement(self) -> list[list[int]]:
         """Global ranks of each stage (one per replica, or a plan's devices of the stage)."""
-        if self.plan is not None:
-            return [list(st.ranks) for st in self.plan.stages]
-        return self._manual.placement_for(self.world_size)
+        return [list(ranks) for ranks in self.where.stages]
 
     @property
     def is_idle(self) -> bool:
         """Whether the running plan leaves this rank idle (no stage, no compute)."""
         return self.plan is not None and self.global_rank in self.plan.idle_ranks
 
-    def _where(self) -> tuple[int, int]:
-        if self.is_idle:
-            return IDLE, 0
-        for stage, ranks in enumerate(self.placement):
-            if self.global_rank in ranks:
-                replica = ranks.index(self.global_rank) if self.num_replicas > 1 else 0
-                return stage, replica
-        raise ValueError(f"Rank {self.global_rank} is in no stage of placement {self.placement}.")
-
     @property
     def stage_index(self) -> int:
         """This rank's stage; ``IDLE`` (-1) when the plan leaves it idle."""
-        return self._where()[0]
+        return self.where.stage_index
 
     @property
     def replica_index(self) -> int:
-        return self._where()[1]
+        return self.where.replica_index
 
     @property
-    def _writes_shard(self) -> bool:
+    def writes_shard(self) -> bool:
         """The first device of each stage holds what a checkpoint shard of the stage saves."""
-        return not self.is_idle and self.placement[self.stage_index][0] == self.global_rank
+        return self.where.writes_shard
 
     @property
     @override
@@ -364,7 +364,8 @@ class PipelineLayoutStrategy(DDPStrategy):
            plan (a digest of it, gathered): unequal plans raise on every rank;
         3. the blocks ``build_stage`` replaced by ``nn.Identity`` are put back and :meth:`_build`
            builds the new layout, as setup does, loading this rank's part rebuilt from the
-           shards with the checkpoint code (:func:`~lightning_deepcee.checkpoint.repartition`):
+           shards with the checkpoint code
+           (:func:`~lightning_deepcee.runtime.checkpoint.repartition`):
            weights, optimizer state (by parameter name, so Adam moments follow their block) and
            scheduler state. ``configure_optimizers`` runs again through Lightning, so the
            optimizers and schedulers cover this rank's new parameters from the next step on.
@@ -378,7 +379,7 @@ class PipelineLayoutStrategy(DDPStrategy):
         finish within ``timeout_s``. ``why`` opens the log line.
         """
         assert self.plan is not None
-        self.relayout_from(self.plan, self._live_shard, plan, trainer, why)
+        self.relayout_from(self.plan, self.live_shard, plan, trainer, why)
 
     def relayout_from(
         self,
@@ -424,7 +425,7 @@ class PipelineLayoutStrategy(DDPStrategy):
             f"{layout_line(plan, self.num_microbatches)}"
         )
 
-    def _live_shard(self) -> dict[str, Any]:
+    def live_shard(self) -> dict[str, Any]:
         """This stage's training state on the host, in the checkpoint's shard format."""
         module = self.lightning_module
         assert module is not None
@@ -487,6 +488,48 @@ class PipelineLayoutStrategy(DDPStrategy):
                     p.grad = None
             if self.root_device.type != "cpu" and not shared:
                 block.to("cpu")
+
+    # ----------------------------------------------------------------------------- a step
+    def run_schedule(self, kind: str, batch: Any) -> torch.Tensor | None:
+        """This rank's part of one pipeline step on ``batch``: the one step function of
+        training (``"train"``, also the plan trial's), evaluation (``"eval"``) and prediction
+        (``"predict"``, whose outputs stay in the executor's ``last_outputs``).
+
+        The batch is split into the running number of micro-batches and the lowered schedule
+        runs under the precision plugin's forward context. Each rank weights its rows by rows /
+        (samples of the step over all replicas), so the sums of the loss and of the stage
+        gradients are whole-step means; prediction weights by this replica's batch. Returns this
+        rank's share of the loss, ``None`` on a rank the plan leaves idle (no executor).
+        """
+        executor = {
+            "train": self._executor,
+            "eval": self._eval_executor,
+            "predict": self._predict_executor,
+        }[kind]
+        if executor is None:
+            return None
+        total = batch_size_of(batch)
+        micro = split_batch(batch, split_sizes(total, self.num_microbatches))
+        weight = total if kind == "predict" else total * self.num_replicas
+        return executor.run(micro, weight, forward_context=self.precision_plugin.forward_context)
+
+    def sync_copies(self) -> float:
+        """After a training step's schedule: sum the gradients of this stage's copies (devices
+        sharing the stage) and of tied parameters across stages, and keep batch statistics
+        equal; returns the seconds it took (0 when no copy lives elsewhere)."""
+        if self._stage_group is None and not self._tie_groups:
+            return 0.0
+        assert self.stage is not None
+        began = time.perf_counter()
+        first = self.placement[self.stage_index][0]
+        sync_copies(
+            self.stage.parameters(),
+            self._stage_group,
+            self._tie_groups,
+            self._synced_buffers,
+            first,
+        )
+        return time.perf_counter() - began
 
     @property
     def transfer_records(self) -> list[TransferRecord]:

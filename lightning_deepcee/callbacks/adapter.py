@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -21,10 +21,15 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_deepcee.adapter import replanning
 from lightning_deepcee.adapter.exchange import Exchanged, pack, unpack
 from lightning_deepcee.adapter.guard import ActionGuard, GuardConfig, Verdict
 from lightning_deepcee.adapter.monitor import LinkMonitor, LinkObservation, MonitorConfig
+from lightning_deepcee.callbacks.replanner import Replanned, Replanner, SplitState, on_one_rank
+
+if TYPE_CHECKING:
+    from lightning_deepcee.callbacks.strategy_view import AdaptableStrategy
+    from lightning_deepcee.planner import Plan
+    from lightning_deepcee.profiler import ClusterProfile
 
 __all__ = ["DynamicEnvironmentAdapter"]
 
@@ -124,28 +129,16 @@ class DynamicEnvironmentAdapter(Callback):
         self._changes = 0
         """Counts changes of the running configuration (split, layout): figures and searches
         begun under an older count describe a configuration that is gone."""
-        self._search: dict[str, Any] | None = None
-        """The re-plan search running in the background: its context on every rank, the
-        search itself (``"job"``) on the searcher."""
-        self._split = 1
-        self._base_microbatches: int | None = None
-        self._replanned: dict[str, Any] | None = None
-        """After an applied re-plan: the plan (dict), the profile it was made for (dict) and the
-        layout setup had chosen (``placement_key``), for a resume to restore it."""
+        self.split_state = SplitState()
+        """Pieces per micro-batch now (the fast response), and the count they divide."""
+        self.replanner = Replanner(self)
+        """The slow response and its state: the search in flight, an applied re-plan, the
+        clock's references, setup's floor."""
         self._refuted: list[str] = []
         """Actions the clock reverted, with the link states they were taken under (JSON)."""
         self._deferred: list[dict[str, Any]] = []
         self._last_batch_end: float | None = None
         self._exchange_group: Any = None
-        self._clock: dict[str, list[float]] = {}
-        """Per configuration (layout and split): ``[measured s, predicted s]``, the guard's
-        median step and the cost model's prediction, taken once while its links were all as
-        profiled; their ratio puts the clock's step times on the model's scale."""
-        self._clock_candidate: list[Any] | None = None
-        """``[key, measured s, predicted s, step]``: a reference waiting to be confirmed."""
-        self._floor_s: float | None = None
-        """The step time predicted at setup for the plan the planner chose then, on the links
-        as measured then: no plan beats it on slower links (``None``: a manual layout)."""
 
     # ------------------------------------------------------------------------------ hooks
     @override
@@ -153,16 +146,18 @@ class DynamicEnvironmentAdapter(Callback):
         from lightning_deepcee.adapter.links import plan_pairs
 
         strategy = _deepcee(trainer)
-        self._inflight, self._proposed, self._search = None, [], None
-        if self._replanned is not None:
-            replanning.restore_replan(self, trainer, strategy)
-        if self._base_microbatches is None:
-            self._base_microbatches = strategy.num_microbatches
-        self._apply_split(trainer, strategy)  # after a resume, the split in force
+        replanner = self.replanner
+        self._inflight, self._proposed, replanner.search = None, [], None
+        if replanner.replanned is not None:
+            replanner.restore(trainer, strategy)
+        if self.split_state.base_microbatches is None:
+            self.split_state.base_microbatches = strategy.num_microbatches
+        self.apply_split(trainer, strategy)  # after a resume, the split in force
+        assert strategy.plan is not None  # set up before training starts
         if self.monitor is None or self._pairs != plan_pairs(strategy.plan):
-            self._new_monitor(strategy)
-        if self._floor_s is None and self._replanned is None:
-            self._floor_s = _setup_floor(strategy)
+            self.new_monitor(strategy)
+        if replanner.floor_s is None and replanner.replanned is None:
+            replanner.floor_s = _setup_floor(strategy)
         self.guard.settle()
         self._last_batch_end = time.perf_counter()
         if strategy.cluster_profile is None:
@@ -197,7 +192,8 @@ class DynamicEnvironmentAdapter(Callback):
         if landed is not None:
             observations = [LinkObservation(landed.step, s, d, b, t) for s, d, b, t in landed.rows]
             mine = [d.to_dict() for d in self.monitor.observe(landed.step, observations)]
-        job = None if self._search is None else self._search["job"]  # on the searcher
+        search = self.replanner.search
+        job = None if search is None else search.job  # on the searcher
         self._inflight = self._exchange(
             strategy, step, step_s, len(mine), job is not None and job.done()
         )
@@ -208,9 +204,9 @@ class DynamicEnvironmentAdapter(Callback):
         verdict = self.guard.record(landed.step, landed.slowest_s)
         if verdict is not None:
             self._on_verdict(trainer, strategy, verdict)
-        replanning.note_clock(self, strategy, landed.step)
-        if landed.search_done and self._search is not None:
-            replanning.finish_replan(self, trainer, strategy)
+        self.replanner.note_clock(strategy, landed.step)
+        if landed.search_done and self.replanner.search is not None:
+            self.replanner.finish(trainer, strategy)
         if landed.anyone:
             gathered: list[list[dict[str, Any]] | None] = [None] * strategy.world_size
             torch.distributed.all_gather_object(gathered, proposed)
@@ -225,9 +221,7 @@ class DynamicEnvironmentAdapter(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._forget_exchange()
-        if self._search is not None and self._search["job"] is not None:
-            self._search["job"].cancel()  # a search still running is abandoned
-        self._search = None
+        self.replanner.cancel()  # a search still running is abandoned
 
     def _forget_exchange(self) -> None:
         """Let the exchange in flight land and drop it, with the proposals it counted (on every
@@ -238,7 +232,7 @@ class DynamicEnvironmentAdapter(Callback):
 
     # --------------------------------------------------------------------------- per step
     def _exchange(
-        self, strategy: Any, step: int, step_s: float, count: int, search_done: bool
+        self, strategy: AdaptableStrategy, step: int, step_s: float, count: int, search_done: bool
     ) -> Callable[[], Exchanged]:
         """Post one all-reduce: per pair (bytes, wire seconds), every rank's step time and
         proposal count, and whether the background re-plan search finished; the returned
@@ -271,7 +265,7 @@ class DynamicEnvironmentAdapter(Callback):
     def _decide(
         self,
         trainer: pl.Trainer,
-        strategy: Any,
+        strategy: AdaptableStrategy,
         decisions: list[dict[str, Any]],
         stale: bool = False,
     ) -> None:
@@ -297,31 +291,34 @@ class DynamicEnvironmentAdapter(Callback):
         if why is not None:
             for kind in sorted({d["kind"] for d in decisions}):
                 if kind == "replan":
-                    replanning.record_replan(self, trainer, decisions, "skipped", why)
+                    self.replanner.record(trainer, decisions, "skipped", why)
                 else:
-                    self._record(trainer, {"kind": f"{kind}-skipped", "reason": why})
+                    self.record(trainer, {"kind": f"{kind}-skipped", "reason": why})
             return
         pending = self.guard.pending
         if pending is not None:
             self._deferred += decisions
             why = f"waits for the verdict on the {pending['kind']} of step {pending['step']}"
-            self._record(trainer, {"kind": "deferred", "reason": why})
+            self.record(trainer, {"kind": "deferred", "reason": why})
             return
         self._act(trainer, strategy, decisions)
 
-    def _act(self, trainer: pl.Trainer, strategy: Any, proposals: list[dict[str, Any]]) -> None:
+    def _act(
+        self, trainer: pl.Trainer, strategy: AdaptableStrategy, proposals: list[dict[str, Any]]
+    ) -> None:
         replans = [d for d in proposals if d["kind"] == "replan"]
         resplits = [d for d in proposals if d["kind"] in ("split", "merge")]
-        if replans and self._search is not None:
-            why = f"a re-plan search begun at step {self._search['step']} is running"
-            replanning.record_replan(self, trainer, replans, "skipped", why)
+        search = self.replanner.search
+        if replans and search is not None:
+            why = f"a re-plan search begun at step {search.step} is running"
+            self.replanner.record(trainer, replans, "skipped", why)
         elif replans:
-            replanning.start_replan(self, trainer, strategy, replans, resplits)
+            self.replanner.start(trainer, strategy, replans, resplits)
             return  # the split proposals wait for the search: a new plan would replace them
         if resplits:
-            self._resplit(trainer, strategy, resplits)
+            self.resplit(trainer, strategy, resplits)
 
-    def _cannot_predict(self, strategy: Any) -> str | None:
+    def _cannot_predict(self, strategy: AdaptableStrategy) -> str | None:
         if strategy.cluster_profile is None:
             return (
                 "acting needs a prediction, and predicting needs a cluster profile "
@@ -331,7 +328,14 @@ class DynamicEnvironmentAdapter(Callback):
             return "a manual layout with several data-parallel replicas cannot be re-planned"
         return None
 
-    def _observed(self, strategy: Any, proposals: list[dict[str, Any]]) -> tuple[Any, Any]:
+    @property
+    def configuration(self) -> int:
+        """Counts changes of the running configuration (split, layout)."""
+        return self._changes
+
+    def observed(
+        self, strategy: AdaptableStrategy, proposals: list[dict[str, Any]]
+    ) -> tuple[ClusterProfile, dict[Any, tuple[float, float]]]:
         """The profile as the links behave now (the proposals' figures, then the monitor's)."""
         from lightning_deepcee.adapter.replan import (
             figures_from_decision,
@@ -343,30 +347,42 @@ class DynamicEnvironmentAdapter(Callback):
         # The monitor's figures last: they cover every pair of a link, and later figures win.
         figures = [f for d in proposals for f in figures_from_decision(d)]
         figures += [] if self.monitor is None else link_figures(self.monitor.state_dict())
-        ceiling = strategy.cluster_profile  # as measured, until a re-plan replaced it
-        if self._replanned is not None and "measured" in self._replanned:
-            ceiling = ClusterProfile.from_dict(self._replanned["measured"])
-        return observed_profile(strategy.cluster_profile, figures, ceiling=ceiling)
+        profile = strategy.cluster_profile
+        assert profile is not None
+        ceiling = profile  # as measured, until a re-plan replaced it
+        replanned = self.replanner.replanned
+        if replanned is not None and replanned.measured is not None:
+            ceiling = ClusterProfile.from_dict(replanned.measured)
+        return observed_profile(profile, figures, ceiling=ceiling)
 
-    def _plan_at(self, strategy: Any, split: int) -> Any:
+    def plan_at(self, strategy: AdaptableStrategy, split: int) -> Plan:
         """The running plan with ``split`` pieces per micro-batch of its own count."""
         from lightning_deepcee.adapter.gate import with_microbatches
 
-        base = self._base_microbatches or strategy.num_microbatches
+        base = self.split_state.base_microbatches or strategy.num_microbatches
         return with_microbatches(with_microbatches(strategy.current_plan(), base), base * split)
 
-    def _signature(self) -> list[Any]:
+    def signature(self) -> list[Any]:
+        """The monitor's link states (what a refuted action and a search are tied to)."""
         return [] if self.monitor is None else [list(s) for s in self.monitor.signature()]
 
-    def _refuted_key(self, kind: str, target: Any) -> str:
-        return json.dumps([kind, target, self._signature()], sort_keys=True)
+    def refuted_key(self, kind: str, target: Any) -> str:
+        """An action as the clock may refute it: its kind and target under these link states."""
+        return json.dumps([kind, target, self.signature()], sort_keys=True)
+
+    def is_refuted(self, key: str | None) -> bool:
+        """Whether the clock reverted the action ``key`` (:meth:`refuted_key`)."""
+        return key in self._refuted
 
     # -------------------------------------------------------------------- fast response
-    def _resplit(self, trainer: pl.Trainer, strategy: Any, proposals: list[dict[str, Any]]) -> None:
+    def resplit(
+        self, trainer: pl.Trainer, strategy: AdaptableStrategy, proposals: list[dict[str, Any]]
+    ) -> None:
+        """Put split or merge proposals to the gate; apply the split it predicts pays."""
         from lightning_deepcee.adapter.gate import SplitChoice, choose_split
 
-        observed, _ = self._observed(strategy, proposals)
-        plan, split = self._plan_at(strategy, 1), self._split
+        observed, _ = self.observed(strategy, proposals)
+        plan, split = self.plan_at(strategy, 1), self.split_state.split
 
         def gate() -> dict[str, Any]:
             return choose_split(
@@ -374,31 +390,33 @@ class DynamicEnvironmentAdapter(Callback):
                 gain=self.split_gain,
             ).to_dict()  # fmt: skip
 
-        choice = SplitChoice.from_dict(replanning.on_one_rank(strategy, "the split gate", gate))
+        choice = SplitChoice.from_dict(on_one_rank(strategy, "the split gate", gate))
         merging = all(d["kind"] == "merge" for d in proposals)
-        label = "merge" if choice.split < self._split or (merging and not choice.apply) else "split"
+        label = "merge" if choice.split < split or (merging and not choice.apply) else "split"
         predicted = {str(k): round(v * 1e3, 3) for k, v in choice.step_time_s.items()}
-        entry = {"predicted_ms": predicted, "from": self._split, "to": choice.split}
-        key = self._refuted_key("split", choice.split)
+        entry = {"predicted_ms": predicted, "from": split, "to": choice.split}
+        key = self.refuted_key("split", choice.split)
         if choice.apply and key in self._refuted:
-            self._record(trainer, {**entry, "kind": f"{label}-kept", "reason": "the clock "
+            self.record(trainer, {**entry, "kind": f"{label}-kept", "reason": "the clock "
                          f"reverted x{choice.split} under the same link states"})  # fmt: skip
             return
         if not choice.apply:
-            self._record(trainer, {**entry, "kind": f"{label}-kept", "reason": choice.reason})
+            self.record(trainer, {**entry, "kind": f"{label}-kept", "reason": choice.reason})
             return
-        previous = self._split
-        self._split = choice.split
-        self._apply_split(trainer, strategy)
+        previous = split
+        self.split_state.split = choice.split
+        self.apply_split(trainer, strategy)
         self.guard.begin(
             trainer.global_step,
             {"kind": label, "from": previous, "to": choice.split, "key": key},
             towards_plan=choice.split < previous,
         )
-        self._record(trainer, {**entry, "kind": f"{label}-applied", "reason": choice.reason})
+        self.record(trainer, {**entry, "kind": f"{label}-applied", "reason": choice.reason})
 
-    def _apply_split(self, trainer: pl.Trainer, strategy: Any) -> None:
-        target = (self._base_microbatches or strategy.num_microbatches) * self._split
+    def apply_split(self, trainer: pl.Trainer, strategy: AdaptableStrategy) -> None:
+        """Run the split in force (``split_state``) from the next step on."""
+        split = self.split_state
+        target = (split.base_microbatches or strategy.num_microbatches) * split.split
         if target != strategy.num_microbatches:
             strategy.set_num_microbatches(target)
             self._changes += 1
@@ -407,13 +425,16 @@ class DynamicEnvironmentAdapter(Callback):
                     {"deepcee/adapter_microbatches": float(target)}, step=trainer.global_step
                 )
 
-    def _record(self, trainer: pl.Trainer, entry: dict[str, Any]) -> None:
+    def record(self, trainer: pl.Trainer, entry: dict[str, Any]) -> None:
+        """Log a decision on rank 0 and add it to ``decisions``."""
         entry = {"step": trainer.global_step, **entry}
         rank_zero_info(f"DeepCEE adapter: step {entry['step']} {entry['kind']}: {entry['reason']}")
         self.decisions.append(entry)
 
     # -------------------------------------------------------------------- the clock
-    def _on_verdict(self, trainer: pl.Trainer, strategy: Any, verdict: Verdict) -> None:
+    def _on_verdict(
+        self, trainer: pl.Trainer, strategy: AdaptableStrategy, verdict: Verdict
+    ) -> None:
         action = verdict.action
         kind = "confirmed" if verdict.keep else "reverted"
         rank_zero_info(f"DeepCEE adapter: {verdict}")
@@ -427,10 +448,10 @@ class DynamicEnvironmentAdapter(Callback):
             if action.get("key") is not None:
                 self._refuted.append(action["key"])
             if action["kind"] in ("split", "merge"):
-                self._split = int(action["from"])
-                self._apply_split(trainer, strategy)
+                self.split_state.split = int(action["from"])
+                self.apply_split(trainer, strategy)
             else:
-                replanning.revert_replan(self, trainer, strategy, action["previous"])
+                self.replanner.revert(trainer, strategy, action["previous"])
                 rebuilt = True
             self.guard.settle()
         if self._deferred and self.guard.pending is None:
@@ -439,10 +460,11 @@ class DynamicEnvironmentAdapter(Callback):
                 self._act(trainer, strategy, deferred)
 
     # -------------------------------------------------------------------- layout changes
-    def _new_monitor(self, strategy: Any) -> None:
+    def new_monitor(self, strategy: AdaptableStrategy) -> None:
         """Watch the running plan's links afresh (start, re-plan, revert, another layout)."""
         from lightning_deepcee.adapter.links import link_expectations, plan_pairs
 
+        assert strategy.plan is not None
         self._pairs = plan_pairs(strategy.plan)
         expected, shared = link_expectations(strategy.cluster_profile, self._pairs)
         self.monitor = LinkMonitor(expected, None, self.config, shared)
@@ -452,25 +474,26 @@ class DynamicEnvironmentAdapter(Callback):
     # -------------------------------------------------------------------- checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
+        replanned = self.replanner.replanned
         return {
             "version": _STATE_VERSION,
             "monitor": None if self.monitor is None else self.monitor.state_dict(),
             "pairs": [list(p) for p in self._pairs],
             "guard": self.guard.state_dict(),
-            "split": self._split,
-            "base_microbatches": self._base_microbatches,
+            "split": self.split_state.split,
+            "base_microbatches": self.split_state.base_microbatches,
             "decisions": self.decisions,
-            "replanned": self._replanned,
+            "replanned": None if replanned is None else replanned.to_dict(),
             "refuted": self._refuted,
             "deferred": self._deferred,
-            "floor_s": self._floor_s,
+            "floor_s": self.replanner.floor_s,
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.decisions = list(state_dict.get("decisions", []))
-        self._replanned = state_dict.get("replanned")
-        self._base_microbatches = state_dict.get("base_microbatches")
+        self.replanner.replanned = Replanned.from_dict(state_dict.get("replanned"))
+        self.split_state.base_microbatches = state_dict.get("base_microbatches")
         if state_dict.get("version") != _STATE_VERSION:
             rank_zero_warn(
                 "DynamicEnvironmentAdapter: the checkpoint's adapter state is from another "
@@ -483,15 +506,15 @@ class DynamicEnvironmentAdapter(Callback):
             self.monitor.load_state_dict(state_dict["monitor"])
         self._pairs = [(int(s), int(d)) for s, d in state_dict["pairs"]]
         self.guard.load_state_dict(state_dict["guard"])
-        self._split = int(state_dict["split"])
+        self.split_state.split = int(state_dict["split"])
         self._refuted = list(state_dict["refuted"])
         self._deferred = list(state_dict["deferred"])
-        self._floor_s = state_dict.get("floor_s")
+        self.replanner.floor_s = state_dict.get("floor_s")
 
 
-def _setup_floor(strategy: Any) -> float | None:
+def _setup_floor(strategy: AdaptableStrategy) -> float | None:
     """The running plan's predicted step time on the strategy's profile when the planner chose
-    it (not a manual layout); the re-plan search's floor (``replanning``)."""
+    it (not a manual layout); the re-plan search's floor (:class:`Replanner`)."""
     from lightning_deepcee.planner.cost_model import predict_plan
 
     plan, profile = strategy.plan, strategy.cluster_profile
@@ -500,8 +523,8 @@ def _setup_floor(strategy: Any) -> float | None:
     return float(predict_plan(profile, plan).step_time_s)
 
 
-def _deepcee(trainer: pl.Trainer) -> Any:
-    from lightning_deepcee.strategy import DeepCEEStrategy
+def _deepcee(trainer: pl.Trainer) -> AdaptableStrategy:
+    from lightning_deepcee.strategy.deepcee import DeepCEEStrategy
 
     if not isinstance(trainer.strategy, DeepCEEStrategy):
         raise TypeError("This callback needs Trainer(strategy=DeepCEEStrategy()).")

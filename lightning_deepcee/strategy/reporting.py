@@ -39,7 +39,7 @@ def check_versions(world_size: int) -> list[str]:
     import lightning
     import torch
 
-    from lightning_deepcee import __version__
+    from lightning_deepcee._version import VERSION as __version__
 
     mine = {"lightning_deepcee": __version__, "torch": torch.__version__}
     mine["lightning"] = lightning.__version__

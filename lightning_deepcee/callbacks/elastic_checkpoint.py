@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from lightning_deepcee._compat import checkpoint_dir_of
-from lightning_deepcee.checkpoint import newest_checkpoint
+from lightning_deepcee.runtime.checkpoint import newest_checkpoint
 
 __all__ = ["ElasticCheckpoint"]
 

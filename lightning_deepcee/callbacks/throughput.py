@@ -20,9 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_deepcee.adapter.callback import DynamicEnvironmentAdapter
-
-__all__ = ["DynamicEnvironmentAdapter", "PipelineThroughputMonitor"]
+__all__ = ["PipelineThroughputMonitor"]
 
 
 class PipelineThroughputMonitor(Callback):
@@ -92,7 +90,7 @@ class PipelineThroughputMonitor(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        from lightning_deepcee.strategy import DeepCEEStrategy
+        from lightning_deepcee.strategy.deepcee import DeepCEEStrategy
 
         strategy = trainer.strategy
         if not isinstance(strategy, DeepCEEStrategy):

@@ -24,7 +24,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import numpy as np
@@ -34,22 +34,65 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_deepcee._compat import fit_dataloader
 from lightning_deepcee.planner import Plan
 from lightning_deepcee.planner.rivals import RIVAL_WITHIN, choose_rivals, pick_timed
-from lightning_deepcee.runtime import batch_size_of, split_batch, split_sizes
-from lightning_deepcee.runtime.layout import batch_dependent_modules
-from lightning_deepcee.runtime.ties import sync_copies
+from lightning_deepcee.profiler import ClusterProfile
+from lightning_deepcee.runtime import PipelineSpec, Stage
+from lightning_deepcee.runtime.layout import batch_dependent_modules, layout_line
 from lightning_deepcee.runtime.transport import all_reduce_
 
-if TYPE_CHECKING:
-    from lightning_deepcee.strategy import DeepCEEStrategy
+__all__ = ["TRIAL_STEPS", "TrialStrategy", "trial_plans"]
 
-__all__ = ["TRIAL_STEPS", "trial_plans"]
+ShardSource = Callable[[], dict[str, Any]]
+"""Gives this stage's part of the training state (a checkpoint shard) when called."""
 
 TRIAL_STEPS = 3
 """Timed steps per candidate, after one untimed step (its first transfers set up connections
 and allocate buffers)."""
 
 
-def trial_plans(strategy: DeepCEEStrategy, trainer: pl.Trainer, count: int) -> Plan:
+class TrialStrategy(Protocol):
+    """What the plan trial uses of the strategy (``DeepCEEStrategy`` provides it): the running
+    plan and what the search found, the one step function, and the re-layout calls."""
+
+    plan: Plan | None
+    spec: PipelineSpec | None
+    stage: Stage | None
+    cluster_profile: ClusterProfile | None
+    plan_alternatives: list[Plan]
+    device_gain: float
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    @property
+    def writes_shard(self) -> bool: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def lightning_module(self) -> pl.LightningModule | None: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = ...) -> Any: ...
+
+    def live_shard(self) -> dict[str, Any]: ...
+
+    def run_schedule(self, kind: str, batch: Any) -> torch.Tensor | None: ...
+
+    def sync_copies(self) -> float: ...
+
+    def build_for_timing(self, plan: Plan, trainer: pl.Trainer) -> None: ...
+
+    def relayout_from(
+        self, source: Plan, shard_of: ShardSource, plan: Plan, trainer: pl.Trainer, why: str
+    ) -> None: ...
+
+
+def trial_plans(strategy: TrialStrategy, trainer: pl.Trainer, count: int) -> Plan:
     """Time the running (searched) plan and up to ``count - 1`` rivals; build the fastest and
     return it. Collective: every rank calls it right after the searched plan is built."""
     plan = strategy.plan
@@ -79,7 +122,7 @@ def trial_plans(strategy: DeepCEEStrategy, trainer: pl.Trainer, count: int) -> P
         return plan
     rng = _rng_state()
     # The training state of the searched layout, kept while rivals run on copies of the blocks.
-    saved = strategy._live_shard() if strategy._writes_shard else None
+    saved = strategy.live_shard() if strategy.writes_shard else None
     try:
         batch = strategy.batch_to_device(next(iter(fit_dataloader(trainer))))
         candidates = [plan, *rivals]
@@ -117,7 +160,7 @@ def _saved(shard: dict[str, Any] | None) -> Callable[[], dict[str, Any]]:
     return get
 
 
-def _time_steps(strategy: DeepCEEStrategy, batch: Any) -> float | None:
+def _time_steps(strategy: TrialStrategy, batch: Any) -> float | None:
     """Median seconds of a whole pipeline step after one untimed step, the mean over ranks
     (each step ends in an all-reduce, so they differ little; every rank gets the same figure);
     ``None`` when a step changed a buffer of this stage (the buffers are put back)."""
@@ -141,25 +184,13 @@ def _time_steps(strategy: DeepCEEStrategy, batch: Any) -> float | None:
     return None if figures[1].item() else float(figures[0].item()) / strategy.world_size
 
 
-def _step(strategy: DeepCEEStrategy, batch: Any) -> None:
+def _step(strategy: TrialStrategy, batch: Any) -> None:
     """One training step's pipeline work (forward, backward, copies' gradient sync and the
     step's closing all-reduce) without the optimizer; gradients dropped."""
     assert strategy.stage is not None
     params = strategy.stage.parameters()
-    executor = strategy._executor
-    if executor is not None:
-        total = batch_size_of(batch)
-        micro = split_batch(batch, split_sizes(total, strategy.num_microbatches))
-        executor.run(
-            micro,
-            total * strategy.num_replicas,
-            forward_context=strategy.precision_plugin.forward_context,
-        )
-    if strategy._stage_group is not None or strategy._tie_groups:
-        first = strategy.placement[strategy.stage_index][0]
-        sync_copies(
-            params, strategy._stage_group, strategy._tie_groups, strategy._synced_buffers, first
-        )
+    strategy.run_schedule("train", batch)
+    strategy.sync_copies()
     all_reduce_(torch.zeros(1, dtype=torch.float64, device=strategy.root_device))
     for p in params:
         p.grad = None
@@ -185,8 +216,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _report(candidates: list[Plan], timed: list[float], best: int) -> str:
-    from lightning_deepcee.runtime.layout import layout_line
-
     lines = [
         f"DeepCEE: plan trial, {TRIAL_STEPS} timed steps each (forward and backward, no "
         f"optimizer step; median, mean over ranks):"

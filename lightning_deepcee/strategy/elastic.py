@@ -5,14 +5,14 @@
 files and the commit in the background), loads them onto whatever layout this run has
 (re-partitioning when the devices or the plan changed), and makes a restart exact and visible:
 
-- the train loader is wrapped in a :class:`~lightning_deepcee.loaders.TrainLoader`, so a
+- the train loader is wrapped in a :class:`~lightning_deepcee.runtime.loaders.TrainLoader`, so a
   checkpoint taken mid-epoch resumes with the batch after the last one trained (Lightning alone
   restarts the epoch's data), and a rank the plan leaves idle reads no batches;
 - a failed fit writes ``deepcee_failure.json`` beside the checkpoints (when, at which step,
   which devices were lost), and the run that resumes says which devices left or joined, the
   old and the new plan, the steps to redo, and the time from the failure to its first step.
 
-:class:`~lightning_deepcee.strategy.DeepCEEStrategy` adds setup and the steps.
+:class:`~lightning_deepcee.strategy.deepcee.DeepCEEStrategy` adds setup and the steps.
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_deepcee._compat import PATH, default_store, set_default_timeout
-from lightning_deepcee.checkpoint import load_meta, load_sharded, save_sharded
-from lightning_deepcee.layout_strategy import PipelineLayoutStrategy
-from lightning_deepcee.loaders import StepLoader, TrainLoader
+from lightning_deepcee.runtime.checkpoint import load_meta, load_sharded, save_sharded
 from lightning_deepcee.runtime.checkpoint_writer import CheckpointWriter, snapshot
 from lightning_deepcee.runtime.liveness import DeviceLostError, agree_group_token
+from lightning_deepcee.runtime.loaders import StepLoader, TrainLoader
 from lightning_deepcee.runtime.measure import device_identity
 from lightning_deepcee.runtime.ties import tied_names_to_fill
+from lightning_deepcee.strategy.layout import PipelineLayoutStrategy
 
 __all__ = ["FAILURE_FILE", "ElasticStrategy"]
 
@@ -58,7 +58,7 @@ _SHARD_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", "optimizer_par
 
 class ElasticStrategy(PipelineLayoutStrategy):
     """Sharded checkpoints and restarts (see the module docstring); attributes set by
-    :class:`~lightning_deepcee.strategy.DeepCEEStrategy`."""
+    :class:`~lightning_deepcee.strategy.deepcee.DeepCEEStrategy`."""
 
     async_checkpoint: bool
     device_cache: str | None
@@ -144,7 +144,7 @@ class ElasticStrategy(PipelineLayoutStrategy):
         began = time.perf_counter()
         layout = self._layout()
         checkpoint["optimizer_param_names"] = self._optimizer_param_names()
-        write_shard, write_meta = self._writes_shard, self.is_global_zero
+        write_shard, write_meta = self.writes_shard, self.is_global_zero
         keys = [k for k in checkpoint if write_meta or (write_shard and k in _SHARD_KEYS)]
         frozen = snapshot({k: checkpoint[k] for k in keys})  # training goes on meanwhile
         stage_index = self.stage_index
@@ -232,8 +232,8 @@ class ElasticStrategy(PipelineLayoutStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Train and evaluation loaders stand in for batches on idle ranks, and the train loader
-        resumes mid-epoch (:mod:`lightning_deepcee.loaders`). A loader with a ``state_dict`` of
-        its own, and the predict loaders (the module's ``predict_step`` sees the batch on every
+        resumes mid-epoch (:mod:`lightning_deepcee.runtime.loaders`). A loader with a ``state_dict``
+        of its own, and the predict loaders (the module's ``predict_step`` sees the batch on every
         rank), are read as they are."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         stateful = callable(getattr(dataloader, "state_dict", None))

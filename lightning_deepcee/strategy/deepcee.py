@@ -9,8 +9,9 @@ averaged over its replicas in a per-stage process group.
 One training step runs the whole lowered schedule inside Lightning's ``training_step``; the
 gradients it leaves are moved aside and put back in :meth:`DeepCEEStrategy.backward`, because
 Lightning's automatic optimization zeroes gradients between ``training_step`` and ``backward``
-(see LIGHTNING_NOTES.md). The optimizer then steps once per batch, after every W of the step:
-exact synchronous semantics, the same update a single device computes on the whole batch.
+(its closure runs ``training_step``, ``zero_grad``, ``backward``, then the optimizer step). The
+optimizer then steps once per batch, after every W of the step: exact synchronous semantics, the
+same update a single device computes on the whole batch.
 """
 
 from __future__ import annotations
@@ -28,34 +29,20 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from typing_extensions import override
 
-from lightning_deepcee._gc import GcFreeze
-from lightning_deepcee.console import (
-    SetupTimer,
-    check_versions,
-    print_everywhere,
-    summarise_whole_model,
-    warn_unrun_steps,
-)
-from lightning_deepcee.elastic_strategy import ElasticStrategy
-from lightning_deepcee.loaders import real_batch, stand_in_warning
-from lightning_deepcee.plan_spread import spread_plan_search
-from lightning_deepcee.plan_trial import trial_plans
+from lightning_deepcee._compat import fit_dataloader
 from lightning_deepcee.planner import DEVICE_GAIN, Plan
 from lightning_deepcee.profiler import ClusterProfile, DeviceGroups
-from lightning_deepcee.profiling import profile_at_setup
 from lightning_deepcee.runtime import (
     PipelineExecutor,
     PipelineSpec,
     Stage,
     batch_size_of,
     get_pipeline_spec,
-    split_batch,
-    split_sizes,
 )
 from lightning_deepcee.runtime.executor import StepStats
 from lightning_deepcee.runtime.layout import (
@@ -63,7 +50,6 @@ from lightning_deepcee.runtime.layout import (
     batch_dependent_modules,
     batch_statistics_warning,
     call_with_output,
-    manual_plan,
 )
 from lightning_deepcee.runtime.liveness import (
     Heartbeat,
@@ -72,10 +58,21 @@ from lightning_deepcee.runtime.liveness import (
     is_communication_failure,
     report_failure,
 )
-from lightning_deepcee.runtime.measure import model_fingerprint
+from lightning_deepcee.runtime.loaders import real_batch, stand_in_warning
 from lightning_deepcee.runtime.stage import tied_parameters
-from lightning_deepcee.runtime.ties import sync_copies
-from lightning_deepcee.step_figures import StepFigures
+from lightning_deepcee.runtime.step_figures import StepFigures
+from lightning_deepcee.strategy.elastic import ElasticStrategy
+from lightning_deepcee.strategy.gc_freeze import GcFreeze
+from lightning_deepcee.strategy.plan_trial import trial_plans
+from lightning_deepcee.strategy.reporting import (
+    SetupTimer,
+    check_versions,
+    print_everywhere,
+    summarise_whole_model,
+    warn_unrun_steps,
+)
+from lightning_deepcee.strategy.setup_plan import initial_plan
+from lightning_deepcee.strategy.setup_profile import ProfileSettings, profile_at_setup
 
 __all__ = ["DeepCEEStrategy"]
 
@@ -302,9 +299,26 @@ class DeepCEEStrategy(ElasticStrategy):
         if self.profile and fitting:
             with timer("profile"):  # blocks are timed where they will run: on root_device
                 self.model_to_device()
-                timer.detail["profile"] = profile_at_setup(self, trainer)
+                found = profile_at_setup(
+                    trainer,
+                    self.batch_to_device(next(iter(fit_dataloader(trainer)))),
+                    spec=spec,
+                    num_microbatches=self.num_microbatches,
+                    device=self.root_device,
+                    world_size=self.world_size,
+                    settings=ProfileSettings(
+                        cache=self.profile_cache,
+                        budget_s=self.profile_budget_s,
+                        rounds=self.profile_rounds,
+                        block_budget_s=self.profile_block_budget_s,
+                        device_cache_dir=self.device_cache_dir(),
+                    ),
+                )
+                self.cluster_profile, self.device_groups = found.profile, found.groups
+                self._global_batch_size = found.global_batch_size
+                timer.detail["profile"] = found.parts
         with timer("plan"):
-            plan = self._initial_plan(len(spec.blocks), fitting)
+            plan = self._initial_plan(fitting)
         with timer("build"):
             self._build(plan, trainer)
         if fitting and self.plan_arg == "auto" and self.plan_trial > 1:
@@ -336,55 +350,33 @@ class DeepCEEStrategy(ElasticStrategy):
             category=PossibleUserWarning,
         )
 
-    def _initial_plan(self, num_blocks: int, fitting: bool) -> Plan:
-        """The layout setup builds: a saved plan, the search's plan, or the manual layout's.
-
-        validate/test after fit keep the layout that trained (re-planned or not).
-        """
+    def _initial_plan(self, fitting: bool) -> Plan:
+        """The layout setup builds (:func:`initial_plan`); validate/test after fit keep the
+        layout that trained (re-planned or not)."""
         assert self.spec is not None
         if self.plan is not None and not fitting:
             return self.plan
-        fingerprint = model_fingerprint(list(self.spec.blocks))
-        cluster = self.cluster_profile.cluster_fingerprint if self.cluster_profile else None
-        if self.plan_arg is None:
-            return manual_plan(
-                self._manual,
-                world_size=self.world_size,
-                block_weights=[
-                    sum(p.numel() for p in b.parameters() if p.requires_grad)
-                    for b in self.spec.blocks
-                ],
-                model_fingerprint=fingerprint,
-                cluster_fingerprint=cluster or "",
-                global_batch_size=self._global_batch_size,
-            )
-        if self.plan_arg != "auto":
-            plan = Plan.from_json(str(self.plan_arg))
-            plan.check_matches(num_blocks, self.world_size, fingerprint, cluster)
-        else:
-            if self.cluster_profile is None:
-                raise ValueError(
-                    "DeepCEEStrategy plans automatically while fitting; for validate/test "
-                    "pass plan='plan.json' or a manual layout."
-                )
-            self.plan_alternatives = []  # rank 0's, for the plan trial
-            plan = spread_plan_search(
-                self.cluster_profile,
-                num_blocks=num_blocks,
-                global_batch_size=self._global_batch_size,
-                device_gain=self.device_gain,
-                alternatives=self.plan_alternatives,
-            )
-        rank_zero_info("DeepCEE plan:\n" + plan.format_table())
+        plan, alternatives = initial_plan(
+            self.plan_arg,
+            manual=self._manual,
+            blocks=self.spec.blocks,
+            world_size=self.world_size,
+            cluster_profile=self.cluster_profile,
+            global_batch_size=self._global_batch_size,
+            device_gain=self.device_gain,
+        )
+        if alternatives is not None:
+            self.plan_alternatives = alternatives
         return plan
 
     # ----------------------------------------------------------------------------- steps
-    def _run(self, executor: PipelineExecutor | None, batch: Any, prefix: str) -> torch.Tensor:
-        """Run one step of ``executor``; log and return the whole batch's loss on every rank.
+    def _run(self, kind: str, batch: Any, prefix: str) -> torch.Tensor:
+        """Run one step (:meth:`run_schedule` of ``kind``); log and return the whole batch's loss
+        on every rank.
 
         The loss and the module's ``metrics_fn`` metrics travel in one all-reduce (each rank
-        holds its rows' weighted share; :mod:`~lightning_deepcee.step_figures`), posted before
-        the schedule by every rank outside the last stage; every rank logs them as
+        holds its rows' weighted share; :mod:`~lightning_deepcee.runtime.step_figures`), posted
+        before the schedule by every rank outside the last stage; every rank logs them as
         ``<prefix>_loss`` and ``<prefix>_<name>``, so whichever rank writes the logs has them.
         An idle rank (no executor) computes nothing and adds zeros.
         """
@@ -392,17 +384,9 @@ class DeepCEEStrategy(ElasticStrategy):
         figures = self._figures
         early = figures.names is not None and self.global_rank not in self.placement[-1]
         pending = self._post_figures(batch, None, {}) if early else None
-        loss: torch.Tensor | None = None
-        if executor is not None:
-            micro = split_batch(batch, split_sizes(total, self.num_microbatches))
-            # Each rank weights its rows by rows / (samples of the step over all replicas), so
-            # the sums below (loss, stage gradients) are the whole-step means.
-            loss = executor.run(
-                micro,
-                total * self.num_replicas,
-                forward_context=self.precision_plugin.forward_context,
-            )
+        loss = self.run_schedule(kind, batch)
         if pending is None:
+            executor = self._executor if kind == "train" else self._eval_executor
             mine = {} if executor is None else executor.last_metrics
             figures.agree_names(mine)
             pending = self._post_figures(batch, loss, mine)
@@ -444,15 +428,8 @@ class DeepCEEStrategy(ElasticStrategy):
         if trainer is not None:  # a stand-in, on a rank a re-plan has just made active
             batch = real_batch(trainer.train_dataloader, batch, self.is_idle, self.batch_to_device)
         with self._failures_named():
-            loss = self._run(self._executor, batch, "train")
-            synced = 0.0  # 0 when no copy of this stage's parameters lives elsewhere
-            if self._stage_group is not None or self._tie_groups:
-                began = time.perf_counter()
-                first = self.placement[self.stage_index][0]
-                sync_copies(
-                    params, self._stage_group, self._tie_groups, self._synced_buffers, first
-                )
-                synced = time.perf_counter() - began
+            loss = self._run("train", batch, "train")
+            synced = self.sync_copies()  # 0 when no copy of this stage's parameters lives elsewhere
         # Lightning zeroes gradients between training_step and backward: keep them aside.
         self._pending_grads = [p.grad for p in params]
         for p, g in zip(params, held, strict=True):
@@ -537,7 +514,7 @@ class DeepCEEStrategy(ElasticStrategy):
 
     def _eval_step(self, name: str, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with torch.no_grad(), self._failures_named():
-            loss = self._run(self._eval_executor, args[0] if args else kwargs["batch"], name)
+            loss = self._run("eval", args[0] if args else kwargs["batch"], name)
         return loss
 
     @override
@@ -554,15 +531,10 @@ class DeepCEEStrategy(ElasticStrategy):
         in for ``forward``; every rank returns it (``trainer.predict`` gives rank 0's)."""
         assert self.spec is not None
         batch = args[0] if args else kwargs["batch"]
-        executor = self._predict_executor
         with torch.no_grad(), self._failures_named():
-            mine: list[tuple[int, int, Any]] = []
-            if executor is not None:  # an idle rank has nothing to add
-                total = batch_size_of(batch)
-                micro = split_batch(batch, split_sizes(total, self.num_microbatches))
-                executor.run(micro, total, forward_context=self.precision_plugin.forward_context)
-                mine = executor.last_outputs
-            output = self._gathered_output(mine)
+            self.run_schedule("predict", batch)
+            executor = self._predict_executor  # an idle rank has nothing to add
+            output = self._gathered_output([] if executor is None else executor.last_outputs)
         module = self.lightning_module
         assert module is not None
         return call_with_output(
