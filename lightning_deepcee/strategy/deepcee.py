@@ -63,6 +63,7 @@ from lightning_deepcee.runtime.stage import tied_parameters
 from lightning_deepcee.runtime.step_figures import StepFigures
 from lightning_deepcee.strategy.elastic import ElasticStrategy
 from lightning_deepcee.strategy.gc_freeze import GcFreeze
+from lightning_deepcee.strategy.module_checks import refuse_manual_optimization
 from lightning_deepcee.strategy.plan_trial import trial_plans
 from lightning_deepcee.strategy.reporting import (
     SetupTimer,
@@ -280,6 +281,7 @@ class DeepCEEStrategy(ElasticStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
+        refuse_manual_optimization(module)
         if self._split_module is module and self.spec is not None:
             # A second setup of the same module (validate/test after fit): its blocks are split
             # for the old layout; put them back and keep the spec of the whole model.

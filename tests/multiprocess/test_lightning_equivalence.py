@@ -212,6 +212,9 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
          "fake_version_on_rank": 2},
         {"name": "smallbatch", "schedule": "1f1b", "num_microbatches": 4, "batch_size": 3,
          "num_samples": 6, "expect_error": True},
+        # Manual optimization is refused at setup on every rank (it used to hang).
+        {"name": "manual", "schedule": "1f1b", "num_microbatches": 2, "expect_error": True,
+         "manual_optimization": True},
     ]  # fmt: skip
     launch_fit(world, configs, tmp_path)
     # Resume after one epoch (3 steps) equals the uninterrupted 6-step run.
@@ -258,6 +261,9 @@ def test_resume_consolidate_replicas_bf16_and_errors(tmp_path: Path) -> None:
     assert "4 pipeline stages" in err and "only 3 blocks" in err
     err = (tmp_path / "versions" / "error.txt").read_text()
     assert "package versions differ across ranks" in err and "0.0.0+other" in err
+    for rank in range(world):
+        err = (tmp_path / "manual" / f"error_rank{rank}.txt").read_text()
+        assert "automatic_optimization = False" in err and "strategy='ddp'" in err, err
     err = (tmp_path / "smallbatch" / "error.txt").read_text()
     assert "cannot be split into 4 micro-batches" in err
 

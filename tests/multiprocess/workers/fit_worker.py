@@ -180,6 +180,8 @@ def run(cfg: dict[str, Any], out: Path) -> None:
             )
         )  # fmt: skip
         model.configure_pipeline = lambda: broken  # type: ignore[method-assign]
+    if cfg.get("manual_optimization"):
+        model.automatic_optimization = False
     if "expect_error" in cfg:
         real_version = lightning_deepcee._version.VERSION
         if cfg.get("fake_version_on_rank") == rank:
