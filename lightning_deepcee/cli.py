@@ -1,8 +1,8 @@
-"""Command-line entry point ``deepcee``.
+"""deepcee: plan DeepCEE pipelines offline and merge their checkpoints.
 
-deepcee consolidate CHECKPOINT_DIR OUT.pt   merge a sharded pipeline checkpoint
 deepcee plan --profile P.yaml --global-batch-size B --out plan.json [--timeline plan.png]
                                             plan offline from a (measured or hand-written) profile
+deepcee consolidate CHECKPOINT_DIR OUT.pt   merge a sharded pipeline checkpoint
 """
 
 from __future__ import annotations
@@ -10,8 +10,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-__all__ = ["main"]
+__all__ = ["DEVICE_GAIN_DEFAULT", "main"]
+
+DEVICE_GAIN_DEFAULT = 0.05
+"""``planner.DEVICE_GAIN``, written out so that parsing the command line imports no planner
+(``tests/unit/test_cli_plan.py`` checks that the two agree)."""
 
 
 def _consolidate(args: argparse.Namespace) -> int:
@@ -26,11 +31,22 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse_overwrite(args: argparse.Namespace) -> None:
+    """Raise when an output file exists and ``--force`` was not given."""
+    existing = [p for p in (args.out, args.timeline, args.trace) if p and Path(p).exists()]
+    if existing and not args.force:
+        raise FileExistsError(
+            f"{', '.join(existing)} already exist(s); pass --force to overwrite, or choose "
+            "another --out / --timeline / --trace"
+        )
+
+
 def _plan(args: argparse.Namespace) -> int:
     from lightning_deepcee.planner import plan_search, stage_costs
     from lightning_deepcee.profiler import ClusterProfile
     from lightning_deepcee.schedule import lower, simulate
 
+    _refuse_overwrite(args)
     path = str(args.profile)
     is_json = path.endswith(".json")
     profile = ClusterProfile.from_json(path) if is_json else ClusterProfile.from_yaml(path)
@@ -40,7 +56,7 @@ def _plan(args: argparse.Namespace) -> int:
         global_batch_size=args.global_batch_size,
         schedules=tuple(args.schedules.split(",")),
         beam_width=args.beam_width,
-        **({} if args.device_gain is None else {"device_gain": args.device_gain}),
+        device_gain=args.device_gain,
     )
     print(plan.format_table())
     plan.to_json(args.out)
@@ -75,7 +91,15 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="deepcee", description=__doc__.splitlines()[0])
+    from lightning_deepcee._version import VERSION
+
+    parser = argparse.ArgumentParser(
+        prog="deepcee",
+        description="Plan DeepCEE pipelines offline from a cluster profile, and merge sharded "
+        "pipeline checkpoints into one state_dict. Training itself runs through Lightning: "
+        "Trainer(strategy=DeepCEEStrategy()).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
     sub = parser.add_subparsers(dest="command", required=True)
     cons = sub.add_parser(
         "consolidate", help="merge a sharded pipeline checkpoint into one plain state_dict"
@@ -115,10 +139,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument(
         "--device-gain",
         type=float,
+        default=DEVICE_GAIN_DEFAULT,
         help="use more devices only when predicted at least this fraction faster "
-        "(default: plan_search's device_gain)",
+        "(default: %(default)s)",
     )
-    plan.add_argument("--out", default="plan.json", help="where to write the plan (JSON)")
+    plan.add_argument(
+        "--out", default="plan.json", help="where to write the plan, JSON (default: %(default)s)"
+    )
+    plan.add_argument(
+        "--force", action="store_true", help="overwrite --out (and the picture files) if they exist"
+    )
     plan.add_argument(
         "--timeline",
         help="also write the simulated step as a PNG: a row per stage (its devices), a box per "
@@ -131,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f"deepcee {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lightning_deepcee.cli import main
-from lightning_deepcee.planner import Plan
+import pytest
+
+from lightning_deepcee._version import VERSION
+from lightning_deepcee.cli import DEVICE_GAIN_DEFAULT, main
+from lightning_deepcee.planner import DEVICE_GAIN, Plan
 from tests.helpers.paths import EXAMPLE_PROFILE as PROFILE
 
 
@@ -24,7 +27,9 @@ def test_plan_command_writes_plan_timeline_and_trace(tmp_path: Path) -> None:
 def test_plan_command_reports_bad_profile(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("devices: []\n")
-    assert main(["plan", "--profile", str(bad), "--global-batch-size", "8"]) == 2
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--profile", str(bad), "--global-batch-size", "8", "--out", str(out)]) == 2
+    assert not out.exists()
 
 
 def test_plan_command_device_gain(tmp_path: Path) -> None:
@@ -38,3 +43,28 @@ def test_plan_command_device_gain(tmp_path: Path) -> None:
     assert len(fewest.ranks) <= len(fastest.ranks)
     assert fewest.predicted_step_time_s <= 1.9 * fastest.predicted_step_time_s
     assert main([*argv, "--out", str(tmp_path / "bad.json"), "--device-gain", "1.5"]) == 2
+
+
+def test_plan_command_never_overwrites_without_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.json"
+    out.write_text("keep me\n")
+    argv = ["plan", "--profile", str(PROFILE), "--global-batch-size", "32", "--out", str(out)]
+    assert main(argv) == 2
+    assert out.read_text() == "keep me\n"
+    assert "--force" in capsys.readouterr().err
+    assert main([*argv, "--force"]) == 0
+    assert Plan.from_json(out).ranks
+
+
+def test_version_and_help_read_for_users(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"deepcee {VERSION}"
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = capsys.readouterr().out
+    assert f"(default: {DEVICE_GAIN})" in help_text and "(default: plan.json)" in help_text
+    assert DEVICE_GAIN_DEFAULT == DEVICE_GAIN
