@@ -541,6 +541,25 @@ def _stats(runs: list[dict[str, Any]]) -> dict[str, float] | None:
     return dict(median=statistics.median(vals), min=min(vals), max=max(vals), n=len(vals))
 
 
+def cluster_bound(result: dict[str, Any]) -> dict[str, float] | None:
+    """The all-devices compute bound in samples/s: the devices' summed sustained speed on the
+    whole model (no bubble, transfer, fixed per-call cost or optimizer step), from each
+    profile a run measured on every device of the topology; median, min, max over them."""
+    from lightning_deepcee.planner.subsets import sample_rates
+    from lightning_deepcee.profiler.data import ClusterProfile
+
+    everyone = len(result["config"].get("devices", [])) or None
+    bounds = []
+    for system in result["systems"].values():
+        for run in system.get("runs", []):
+            profile = run.get("profile")
+            if isinstance(profile, dict) and len(profile.get("devices", [])) == everyone:
+                bounds.append(float(sample_rates(ClusterProfile.from_dict(profile)).sum()))
+    if not bounds:
+        return None
+    return dict(median=statistics.median(bounds), min=min(bounds), max=max(bounds), n=len(bounds))
+
+
 def _order(result: dict[str, Any]) -> list[str]:
     """Systems in the invocation's order (older files: :data:`SYSTEMS` order, then the rest)."""
     systems = result["systems"]
@@ -617,10 +636,19 @@ def render(result: dict[str, Any]) -> str:
             "(medians).",
             "",
         ]
+    bound = cluster_bound(result)
+    if bound is not None:
+        spread = f"; {bound['min']:.2f}-{bound['max']:.2f}" if bound["n"] > 1 else ""
+        lines += [
+            f"All-devices compute bound: {bound['median']:.2f} samples/s (the devices' summed "
+            f"sustained speed on the whole model, from the {bound['n']} profile(s) DeepCEE "
+            f"measured{spread}); `of bound` is each system's median against it.",
+            "",
+        ]
     lines += [
-        "| system | devices | runs ok | samples/s median | min | max | median vs best "
-        "alternative | layout |",
-        "|---|---|---|---|---|---|---|---|",
+        "| system | devices | runs ok | samples/s median | min | max | of bound | median vs "
+        "best alternative | layout |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     errors: list[str] = []
     notes: list[str] = []
@@ -661,12 +689,13 @@ def render(result: dict[str, Any]) -> str:
         )
         where = ", ".join(devices) if devices else "all"
         if st is None:
-            lines.append(f"| {s} | {where} | {ok} | failed | | | | |")
+            lines.append(f"| {s} | {where} | {ok} | failed | | | | | |")
             continue
         ratio = f"{st['median'] / best[1]['median']:.2f}x" if best else "n/a"
+        of_bound = f"{st['median'] / bound['median']:.0%}" if bound else ""
         lines.append(
             f"| {s} | {where} | {ok} | {st['median']:.2f} | {st['min']:.2f} | {st['max']:.2f} "
-            f"| {ratio} | {layout} |"
+            f"| {of_bound} | {ratio} | {layout} |"
         )
     if notes:
         lines += ["", *notes]
