@@ -141,11 +141,10 @@ class SearchContext:
         self.schedules = tuple(schedules)
         self.microbatch_counts = tuple(microbatch_counts)
         self.memory_check = memory_check
+        # Counts above microbatch_counts for layouts that fit at none of them (memory_counts).
         self.memory_counts = (
             memory_counts(max(self.microbatch_counts), global_batch_size) if memory_check else ()
         )
-        """Micro-batch counts above ``microbatch_counts`` for layouts that fit at none of them
-        (see :func:`memory_counts`)."""
         self._evaluated: dict[tuple[Structure, Ranges, str, int], Candidate | None] = {}
         self._range_cost: dict[tuple[int, ...], Array] = {}
         self._partition: dict[Structure, Ranges | None] = {}

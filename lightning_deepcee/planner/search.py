@@ -215,12 +215,11 @@ def plan_search(
     # Each zone (network group) alone is scored too, most promising first while its bound can
     # beat the best zone: the compute bound ignores the links, so sets across a slow WAN rank
     # above a zone they cannot beat, and the cap above may leave every zone out.
-    zones = sorted(
-        (tuple(sorted(group)) for group in groups.network_groups),
-        key=lambda ranks: compute_bound_s(rates, ranks, global_batch_size),
-    )[:most]
+    for group in groups.network_groups:
+        zone = tuple(sorted(group))
+        bound.setdefault(zone, compute_bound_s(rates, zone, global_batch_size))
+    zones = sorted((tuple(sorted(g)) for g in groups.network_groups), key=bound.__getitem__)[:most]
     for ranks in zones:
-        bound.setdefault(ranks, compute_bound_s(rates, ranks, global_batch_size))
         score(ranks, min((scored[z] for z in zones if z in scored), default=math.inf))
     if not scored:
         return search(profile)  # raises the whole cluster's reason
