@@ -211,7 +211,8 @@ class Plan:
     compute_bound_s: float | None = None
     """The compute bound of the devices the plan uses: the global batch's compute spread over
     their summed speed, with no bubble, transfer, fixed per-call cost or optimizer step. No plan
-    on these devices can step faster. Set by the planner; ``None`` on a hand-made plan."""
+    on these devices can step faster (0 if their profile measured no per-sample compute). Set
+    by the planner; ``None`` on a hand-made plan."""
     cluster_bound_s: float | None = None
     """The same bound over every device of the cluster, idle ones included."""
     step_parts_s: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -298,8 +299,11 @@ class Plan:
         for name in ("compute_bound_s", "cluster_bound_s"):
             value = getattr(self, name)
             if value is not None:
-                if not _is_real(value) or not math.isfinite(value) or value <= 0:
-                    raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+                # 0 where the profile measured no per-sample compute (all fixed cost).
+                if not _is_real(value) or not math.isfinite(value) or value < 0:
+                    raise ValueError(
+                        f"{name}: expected a non-negative finite number, got {value!r}"
+                    )
                 object.__setattr__(self, name, float(value))
         parts = self.step_parts_s
         if not isinstance(parts, Mapping) or not all(

@@ -108,7 +108,7 @@ def compute_bound_s(
     """A lower bound on any plan's step on ``ranks``: the batch's per-sample compute spread over
     their summed speed (``rates`` from :func:`sample_rates`), with no fixed cost, bubble,
     transfer or optimizer step. A subset whose bound is above a plan already found cannot
-    beat it."""
+    beat it. It is 0 when a device measured no per-sample compute (an infinite rate)."""
     return float(global_batch_size / rates[np.asarray(ranks)].sum())
 
 

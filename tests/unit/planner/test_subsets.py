@@ -136,3 +136,13 @@ def test_within_five_percent_of_exhaustive_search(seed: int) -> None:
     )  # fmt: skip
     best = _exhaustive(profile, 8)
     assert found.predicted_step_time_s <= 1.05 * best, (found.format_table(), best)
+
+
+def test_a_device_measured_as_all_fixed_cost_still_plans() -> None:
+    # A tiny model can measure fixed_s equal to a block's whole time: no per-sample compute,
+    # a bound of 0, and still a plan.
+    profile = make_profile(speeds=[2.0, 1.0], num_blocks=4, fixed_fraction=1.0)
+    plan = plan_search(profile, num_blocks=4, global_batch_size=8)
+    assert plan.compute_bound_s is not None and plan.cluster_bound_s is not None
+    assert 0 == plan.cluster_bound_s <= plan.compute_bound_s <= plan.predicted_step_time_s
+    assert Plan.from_dict(plan.to_dict()) == plan
