@@ -188,7 +188,7 @@ class SearchContext:
             )
             if shares is None:
                 return None
-            stages.append(StagePlan(block_range=block_range, ranks=ranks, batch_shares=shares))
+            stages.append(StagePlan.trusted(block_range, ranks, shares))
         prediction = evaluator.predict(stages, schedule, m, self.global_batch_size, breakdown=False)
         if self.memory_check and not prediction.fits_memory:
             return None

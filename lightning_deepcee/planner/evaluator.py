@@ -29,6 +29,7 @@ from lightning_deepcee.planner.prediction import CostModelConfig, Prediction
 from lightning_deepcee.planner.profile_arrays import ProfileArrays
 from lightning_deepcee.profiler.data import ClusterProfile
 from lightning_deepcee.schedule.actions import ActionKind
+from lightning_deepcee.schedule.compiled import CompiledSchedule, compile_schedule
 from lightning_deepcee.schedule.generators import SCHEDULE_KINDS, StageSchedule, generate
 from lightning_deepcee.schedule.lowering import RankSchedule, lower
 from lightning_deepcee.schedule.simulate import StageCosts, simulate
@@ -113,7 +114,7 @@ class Evaluator:
         self.config = config or CostModelConfig()
         self.arrays = ProfileArrays(profile)
         self._group_links: dict[tuple[int, ...], tuple[float, float]] = {}
-        self._lowered: dict[tuple[str, int, int], RankSchedule] = {}
+        self._lowered: dict[tuple[str, int, int], tuple[RankSchedule, CompiledSchedule]] = {}
         self._in_flight: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._transfers: dict[tuple[Any, ...], float] = {}
         self._stages: dict[tuple[Any, ...], tuple[float, ...]] = {}
@@ -354,8 +355,10 @@ class Evaluator:
         self._stages[key] = found
         return found
 
-    def _lowered_schedule(self, schedule: str, p: int, m: int) -> RankSchedule:
-        """Generated, lowered (one simulated rank per stage) and validated; memoised."""
+    def _lowered_schedule(
+        self, schedule: str, p: int, m: int
+    ) -> tuple[RankSchedule, CompiledSchedule]:
+        """Generated, lowered (one simulated rank per stage), validated and compiled; memoised."""
         key = (schedule, p, m)
         if key not in self._lowered:
             placement = {s: s for s in range(p)}
@@ -363,7 +366,7 @@ class Evaluator:
             validate(ranked, placement, m)
             if len(self._lowered) > _LOWERED_CACHE_SIZE:
                 self._lowered.clear()
-            self._lowered[key] = ranked
+            self._lowered[key] = (ranked, compile_schedule(ranked, placement))
         return self._lowered[key]
 
     def _simulate(
@@ -371,12 +374,15 @@ class Evaluator:
     ) -> tuple[float, float, dict[int, int]]:
         p = costs.num_stages
         placement = {s: s for s in range(p)}
+        compiled = None
         if stage_schedule is None:
-            ranked = self._lowered_schedule(schedule, p, m)
+            ranked, compiled = self._lowered_schedule(schedule, p, m)
         else:  # a cost-fitted schedule (compact): not memoised
             ranked = lower(stage_schedule, placement)
             validate(ranked, placement, m)
-        result = simulate(ranked, placement, costs, num_microbatches=m, events=False)
+        result = simulate(
+            ranked, placement, costs, num_microbatches=m, events=False, compiled=compiled
+        )
         return result.step_time_s, result.bubble_ratio, result.peak_memory_bytes
 
     def predict(

@@ -112,6 +112,18 @@ class StagePlan:
         object.__setattr__(self, "ranks", ranks)
         object.__setattr__(self, "batch_shares", shares)
 
+    @classmethod
+    def trusted(
+        cls, block_range: tuple[int, int], ranks: tuple[int, ...], batch_shares: tuple[float, ...]
+    ) -> StagePlan:
+        """A stage from values the planner computed itself (int tuples, positive float shares
+        summing to 1), without the checks: the search builds tens of thousands per plan."""
+        stage = object.__new__(cls)
+        object.__setattr__(stage, "block_range", block_range)
+        object.__setattr__(stage, "ranks", ranks)
+        object.__setattr__(stage, "batch_shares", batch_shares)
+        return stage
+
     @property
     def num_blocks(self) -> int:
         """Number of blocks in this stage."""

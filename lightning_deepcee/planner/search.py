@@ -58,10 +58,10 @@ from lightning_deepcee.planner.evaluator import Evaluator
 from lightning_deepcee.planner.plan import Plan, compact_ranks
 from lightning_deepcee.planner.prediction import CostModelConfig
 from lightning_deepcee.planner.subsets import (
+    SubsetProfiles,
     candidate_subsets,
     compute_bound_s,
     lift,
-    restrict,
     sample_rates,
 )
 from lightning_deepcee.planner.units import network_units, search_units
@@ -200,7 +200,7 @@ def plan_search(
     most = MAX_SUBSET_SEARCHES // 2 if large else MAX_SUBSET_SEARCHES
     order = [everyone, *sorted(subsets[1:], key=bound.__getitem__)[:most]]
     scored: dict[tuple[int, ...], float] = {}
-    subset_profile = functools.lru_cache(maxsize=None)(functools.partial(restrict, profile))
+    subset_profile = SubsetProfiles(profile)
 
     def score(ranks: tuple[int, ...], best_so_far: float) -> None:
         if ranks in scored or bound.get(ranks, 0.0) >= best_so_far:

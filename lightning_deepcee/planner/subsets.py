@@ -32,7 +32,14 @@ from lightning_deepcee.planner.plan import Plan, StagePlan
 from lightning_deepcee.profiler.data import ClusterProfile
 from lightning_deepcee.profiler.grouping import DeviceGroups
 
-__all__ = ["candidate_subsets", "compute_bound_s", "lift", "restrict", "sample_rates"]
+__all__ = [
+    "SubsetProfiles",
+    "candidate_subsets",
+    "compute_bound_s",
+    "lift",
+    "restrict",
+    "sample_rates",
+]
 
 _ALL_COMBINATIONS = 4
 """Up to this many network groups every combination of them is a candidate (at most 15)."""
@@ -125,15 +132,24 @@ def restrict(profile: ClusterProfile, ranks: Sequence[int]) -> ClusterProfile:
 
     The fingerprints stay the whole cluster's: a plan made on the subset is lifted back onto it.
     """
-    ranks = list(ranks)
-    return dataclasses.replace(
-        profile,
-        devices=tuple(profile.devices[r].renumbered(i) for i, r in enumerate(ranks)),
-        latency_s=tuple(tuple(profile.latency_s[a][b] for b in ranks) for a in ranks),
-        bandwidth_bytes_per_s=tuple(
-            tuple(profile.bandwidth_bytes_per_s[a][b] for b in ranks) for a in ranks
-        ),
-    )
+    return profile.subset(ranks)
+
+
+class SubsetProfiles:
+    """:func:`restrict` for many subsets of one profile, each built once: the link matrices
+    are converted to arrays once for all of them."""
+
+    def __init__(self, profile: ClusterProfile) -> None:
+        self.profile = profile
+        self._matrices = (profile.latency_matrix(), profile.bandwidth_matrix())
+        self._built: dict[tuple[int, ...], ClusterProfile] = {}
+
+    def __call__(self, ranks: Sequence[int]) -> ClusterProfile:
+        """The profile of ``ranks`` alone (see :func:`restrict`)."""
+        key = tuple(ranks)
+        if key not in self._built:
+            self._built[key] = self.profile.subset(key, self._matrices)
+        return self._built[key]
 
 
 def lift(plan: Plan, ranks: Sequence[int], world_size: int, notes: str | None = None) -> Plan:

@@ -215,6 +215,36 @@ class ClusterProfile:
             return 0.0
         return self.latency_s[src][dst] + size / self.bandwidth_bytes_per_s[src][dst]
 
+    def subset(
+        self,
+        ranks: Sequence[int],
+        matrices: tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None = None,
+    ) -> ClusterProfile:
+        """The profile of ``ranks`` alone, renumbered ``0..len(ranks)-1`` in the given order,
+        fingerprints kept (a plan made on it is lifted back onto this cluster).
+
+        Its fields come from this checked profile, so they are not checked again: the planner
+        takes a subset per device set it scores, and re-checking a 1024-device link matrix
+        cell by cell costs a second. ``matrices`` (``latency_matrix()``,
+        ``bandwidth_matrix()``) saves converting them on every call."""
+        chosen = [check.integer("ranks", r, minimum=0, expected="a rank") for r in ranks]
+        if not chosen or len(set(chosen)) != len(chosen) or max(chosen) >= self.num_devices:
+            raise check.fail("ranks", f"distinct ranks of 0..{self.num_devices - 1}", ranks)
+        latency, bandwidth = matrices or (self.latency_matrix(), self.bandwidth_matrix())
+        index = np.ix_(chosen, chosen)
+        fields = {
+            "devices": tuple(self.devices[r].renumbered(i) for i, r in enumerate(chosen)),
+            "latency_s": tuple(map(tuple, latency[index].tolist())),
+            "bandwidth_bytes_per_s": tuple(map(tuple, bandwidth[index].tolist())),
+            "num_blocks": self.num_blocks,
+            "model_fingerprint": self.model_fingerprint,
+            "cluster_fingerprint": self.cluster_fingerprint,
+        }
+        copy = object.__new__(ClusterProfile)
+        for name, value in fields.items():
+            check.set_field(copy, name, value)
+        return copy
+
     def latency_matrix(self) -> npt.NDArray[np.float64]:
         """``latency_s`` as an N x N float array (a fresh copy)."""
         return np.array(self.latency_s, dtype=np.float64)

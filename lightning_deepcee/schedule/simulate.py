@@ -41,6 +41,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_deepcee.schedule.actions import Action, ActionKind
+from lightning_deepcee.schedule.compiled import (
+    CompiledSchedule,
+    compile_schedule,
+    compiled_peak_memory,
+    quota_end,
+    run_compiled,
+)
 from lightning_deepcee.schedule.render import render
 from lightning_deepcee.schedule.validate import ScheduleError
 
@@ -348,15 +355,7 @@ class _Simulator:
         if share >= 1.0 or period <= 0.0:
             return start + seconds
         last_end, credit = self.credit.get(rank, (0.0, 0.0))
-        credit = min(share * period, credit + share * max(0.0, start - last_end))
-        work = seconds * share
-        burst = credit / (1.0 - share)  # full-speed seconds the credit lasts
-        if work <= burst:
-            end = start + work
-            credit -= work * (1.0 - share)
-        else:
-            end = start + burst + (work - burst) / share
-            credit = 0.0
+        end, credit = quota_end(share, period, last_end, credit, start, seconds)
         self.credit[rank] = (end, credit)
         return end
 
@@ -419,34 +418,6 @@ def _check_inputs(
                 )
 
 
-def _peak_memory(
-    schedule: Mapping[int, Sequence[Action]],
-    stage_to_rank: Mapping[int, int],
-    costs: StageCosts,
-    scale: Sequence[float],
-) -> dict[int, int]:
-    """Static bytes plus the peak of activations held between F and W/BW, per rank, with the
-    transient bytes of the action computing at that moment."""
-    static = costs.static_memory_bytes or (0.0,) * costs.num_stages
-    transient = costs.transient_bytes or (0.0,) * costs.num_stages
-    out: dict[int, int] = {}
-    for rank, actions in schedule.items():
-        base = sum(static[s] for s, r in stage_to_rank.items() if r == rank and s < len(static))
-        held: dict[tuple[int, int], float] = {}
-        current = peak = 0.0
-        for a in actions:
-            key = (a.stage, a.microbatch)
-            if a.kind == K.F:
-                held[key] = costs.activation_bytes[a.stage] * scale[a.microbatch]
-                current += held[key]
-            if a.kind in (K.F, K.B, K.W, K.BW):
-                peak = max(peak, current + transient[a.stage] * scale[a.microbatch])
-            if a.kind in (K.W, K.BW) and key in held:
-                current -= held.pop(key)
-        out[rank] = round(base + peak)
-    return out
-
-
 def simulate(
     schedule: Mapping[int, Sequence[Action]],
     stage_to_rank: Mapping[int, int],
@@ -454,16 +425,23 @@ def simulate(
     *,
     num_microbatches: int,
     events: bool = True,
+    compiled: CompiledSchedule | None = None,
 ) -> SimulationResult:
     """Simulate one step of a lowered schedule (the output of :func:`lower`).
 
-    ``events=False`` leaves the result's ``events`` empty (a search needs only the figures).
+    ``events=False`` leaves the result's ``events`` empty (a search needs only the figures) and
+    runs the compiled fast loop (:mod:`~lightning_deepcee.schedule.compiled`, same figures);
+    ``compiled`` is ``compile_schedule(schedule, stage_to_rank)`` when the caller keeps it.
 
     Raises:
         ValueError: ``costs`` or ``stage_to_rank`` do not fit the schedule.
         ScheduleError: an action is misplaced or out of range, or the ranks deadlock (the message
             names every stuck rank and shows the grid with the first one marked).
     """
+    if not events:
+        fast = _simulate_compiled(schedule, stage_to_rank, costs, num_microbatches, compiled)
+        if fast is not None:
+            return fast
     _check_inputs(schedule, stage_to_rank, costs, num_microbatches)
     scale = costs.microbatch_scale or (1.0,) * num_microbatches
     sim = _Simulator(schedule, stage_to_rank, costs, scale, record=events)
@@ -475,6 +453,64 @@ def simulate(
         step_time_s=step,
         per_rank_busy_s=dict(sim.busy),
         bubble_ratio=1.0 - total_busy / capacity if capacity > 0 else 0.0,
-        peak_memory_bytes=_peak_memory(schedule, stage_to_rank, costs, scale),
+        peak_memory_bytes=_peak(compile_schedule(schedule, stage_to_rank), costs, scale),
         events=tuple(sorted(sim.events, key=lambda e: (e.start_s, e.rank, e.is_transfer))),
+    )
+
+
+def _simulate_compiled(
+    schedule: Mapping[int, Sequence[Action]],
+    stage_to_rank: Mapping[int, int],
+    costs: StageCosts,
+    num_microbatches: int,
+    compiled: CompiledSchedule | None,
+) -> SimulationResult | None:
+    """:func:`simulate` without events on the compiled program; ``None`` when the inputs are
+    wrong or the ranks deadlock (the event simulator then raises the detailed error)."""
+    p, m = costs.num_stages, num_microbatches
+    scale = costs.microbatch_scale or (1.0,) * m
+    if m < 1 or len(scale) != m or any(s not in stage_to_rank for s in range(p)):
+        return None
+    if compiled is None:
+        try:
+            compiled = compile_schedule(schedule, stage_to_rank)
+        except ScheduleError:
+            return None
+    if compiled.max_stage >= p or compiled.max_microbatch >= m:
+        return None
+    quota = None
+    if costs.cpu_share is not None and costs.cpu_period_s is not None:
+        quota = tuple(zip(costs.cpu_share, costs.cpu_period_s, strict=True))
+    ran = run_compiled(
+        compiled,
+        forward_s=costs.forward_s,
+        backward_input_s=costs.backward_input_s,
+        backward_weight_s=costs.backward_weight_s,
+        send_forward_s=costs.send_forward_s,
+        send_backward_s=costs.send_backward_s,
+        scale=scale,
+        quota=quota,
+    )
+    if ran is None:
+        return None
+    clock, busy, last_end = ran
+    step = max([*clock, last_end], default=0.0)
+    capacity = len(compiled.ranks) * step
+    return SimulationResult(
+        step_time_s=step,
+        per_rank_busy_s=dict(zip(compiled.ranks, busy, strict=True)),
+        bubble_ratio=1.0 - sum(busy) / capacity if capacity > 0 else 0.0,
+        peak_memory_bytes=_peak(compiled, costs, scale),
+    )
+
+
+def _peak(compiled: CompiledSchedule, costs: StageCosts, scale: Sequence[float]) -> dict[int, int]:
+    """Per rank, static bytes plus the peak of held and transient activation bytes."""
+    p = costs.num_stages
+    return compiled_peak_memory(
+        compiled,
+        activation_bytes=costs.activation_bytes,
+        transient_bytes=costs.transient_bytes or (0.0,) * p,
+        static_bytes=costs.static_memory_bytes or (0.0,) * p,
+        scale=scale,
     )

@@ -8,6 +8,7 @@ search over every subset and layout under the same cost model.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterator
@@ -17,10 +18,10 @@ import pytest
 
 from lightning_deepcee.planner import Plan
 from lightning_deepcee.planner.search import make_plan, plan_search
-from lightning_deepcee.planner.subsets import candidate_subsets, lift, restrict
+from lightning_deepcee.planner.subsets import SubsetProfiles, candidate_subsets, lift, restrict
 from lightning_deepcee.profiler.data import ClusterProfile
 from lightning_deepcee.profiler.grouping import group_devices
-from tests.helpers.clusters import make_profile, two_zones
+from tests.helpers.clusters import make_profile, random_profile, two_zones
 
 
 def test_a_slow_wan_keeps_the_fast_zone_alone() -> None:
@@ -146,3 +147,21 @@ def test_a_device_measured_as_all_fixed_cost_still_plans() -> None:
     assert plan.compute_bound_s is not None and plan.cluster_bound_s is not None
     assert 0 == plan.cluster_bound_s <= plan.compute_bound_s <= plan.predicted_step_time_s
     assert Plan.from_dict(plan.to_dict()) == plan
+
+
+def test_a_subset_profile_equals_the_checked_profile_of_its_devices() -> None:
+    profile = random_profile(3, 7, 4)
+    ranks = [5, 0, 3]
+    checked = dataclasses.replace(
+        profile,
+        devices=tuple(dataclasses.replace(profile.devices[r], rank=i) for i, r in enumerate(ranks)),
+        latency_s=tuple(tuple(profile.latency_s[a][b] for b in ranks) for a in ranks),
+        bandwidth_bytes_per_s=tuple(
+            tuple(profile.bandwidth_bytes_per_s[a][b] for b in ranks) for a in ranks
+        ),
+    )
+    assert restrict(profile, ranks) == checked
+    assert SubsetProfiles(profile)(ranks) == checked
+    for bad in ([], [0, 0], [7], [-1]):
+        with pytest.raises(ValueError, match="ranks"):
+            profile.subset(bad)

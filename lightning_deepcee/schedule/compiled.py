@@ -1,0 +1,261 @@
+"""A lowered schedule compiled to flat integer programs, and the simulator's fast loop on it.
+
+The planner simulates thousands of candidate steps per search, most of them on the same few
+generated schedules. :func:`compile_schedule` turns a lowered schedule into per-rank tuples of
+small integers once (messages numbered, links numbered, actions checked against the placement);
+:func:`run_compiled` then runs the timing model of :mod:`~lightning_deepcee.schedule.simulate`
+with local variables and list indexing, and computes the memory peak from a second program
+that keeps only the actions that change held activations. It gives the same floats as the
+event-recording simulator: the same operations in the same order.
+
+Pure: the standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from lightning_deepcee.schedule.actions import Action, ActionKind
+from lightning_deepcee.schedule.render import render
+from lightning_deepcee.schedule.validate import ScheduleError
+
+__all__ = [
+    "CompiledSchedule",
+    "compile_schedule",
+    "compiled_peak_memory",
+    "quota_end",
+    "run_compiled",
+]
+
+K = ActionKind
+_RECV, _SEND_F, _SEND_B, _F, _B, _W, _BW = range(7)
+_CODE = {
+    K.RECV_F: _RECV,
+    K.RECV_B: _RECV,
+    K.SEND_F: _SEND_F,
+    K.SEND_B: _SEND_B,
+    K.F: _F,
+    K.B: _B,
+    K.W: _W,
+    K.BW: _BW,
+}
+Op = tuple[int, int, int, int, int]
+"""(code, stage, micro-batch, message, link): message and link are -1 where unused."""
+MemoryOp = tuple[int, int, int, int]
+"""(stage, micro-batch, held slot added by an F or -1, held slot released by a W/BW or -1)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledSchedule:
+    """One lowered schedule and placement as integer programs (see the module docstring)."""
+
+    ranks: tuple[int, ...]
+    """The schedule's ranks, in its order."""
+    programs: tuple[tuple[Op, ...], ...]
+    """Per rank (``ranks`` order), its actions as :data:`Op` tuples."""
+    memory_programs: tuple[tuple[MemoryOp, ...], ...]
+    """Per rank, its compute actions as :data:`MemoryOp` tuples."""
+    rank_stages: tuple[tuple[int, ...], ...]
+    """Per rank, the stages placed on it."""
+    num_messages: int
+    num_links: int
+    num_slots: int
+    max_stage: int
+    """The largest stage an action names (checked against the costs at run time)."""
+    max_microbatch: int
+    """The largest micro-batch an action names."""
+    schedule: Mapping[int, Sequence[Action]]
+    """The schedule it was compiled from (for error messages)."""
+
+
+def compile_schedule(
+    schedule: Mapping[int, Sequence[Action]], stage_to_rank: Mapping[int, int]
+) -> CompiledSchedule:
+    """Compile ``schedule`` (the output of :func:`~lightning_deepcee.schedule.lowering.lower`).
+
+    Raises:
+        ScheduleError: an action is on a rank its stage is not placed on, or a stage has no rank.
+    """
+    messages: dict[tuple[ActionKind, int, int], int] = {}
+    links: dict[tuple[int, int], int] = {}
+    slots: dict[tuple[int, int], int] = {}
+
+    def message(kind: ActionKind, stage: int, mb: int) -> int:
+        return messages.setdefault((kind, stage, mb), len(messages))
+
+    programs, memory_programs = [], []
+    max_stage = max_mb = 0
+    for rank, actions in schedule.items():
+        program: list[Op] = []
+        memory: list[MemoryOp] = []
+        held: set[tuple[int, int]] = set()
+        for pos, a in enumerate(actions):
+            s, mb, code = a.stage, a.microbatch, _CODE[a.kind]
+            max_stage, max_mb = max(max_stage, s), max(max_mb, mb)
+            if stage_to_rank.get(s) != rank:
+                raise ScheduleError(
+                    f"{a} is on rank {rank} but stage {s} is placed on rank "
+                    f"{stage_to_rank.get(s)}\n{render(schedule, mark=(rank, pos))}"
+                )
+            msg = link = -1
+            if a.kind == K.RECV_F:
+                msg = message(K.SEND_F, s - 1, mb)
+            elif a.kind == K.RECV_B:
+                msg = message(K.SEND_B, s + 1, mb)
+            elif code in (_SEND_F, _SEND_B):
+                peer_stage = s + 1 if code == _SEND_F else s - 1
+                if peer_stage not in stage_to_rank:
+                    raise ScheduleError(f"{a} sends to stage {peer_stage}, which has no rank")
+                pair = (rank, stage_to_rank[peer_stage])
+                link = links.setdefault(pair, len(links))
+                msg = message(a.kind, s, mb)
+            else:
+                key = (s, mb)
+                added = released = -1
+                if code == _F:
+                    added = slots.setdefault(key, len(slots))
+                    held.add(key)
+                if code in (_W, _BW) and key in held:
+                    released = slots[key]
+                    held.discard(key)
+                memory.append((s, mb, added, released))
+            program.append((code, s, mb, msg, link))
+        programs.append(tuple(program))
+        memory_programs.append(tuple(memory))
+    ranks = tuple(schedule)
+    return CompiledSchedule(
+        ranks=ranks,
+        programs=tuple(programs),
+        memory_programs=tuple(memory_programs),
+        rank_stages=tuple(
+            tuple(s for s, r in stage_to_rank.items() if r == rank) for rank in ranks
+        ),
+        num_messages=len(messages),
+        num_links=len(links),
+        num_slots=len(slots),
+        max_stage=max_stage,
+        max_microbatch=max_mb,
+        schedule=schedule,
+    )
+
+
+def quota_end(
+    share: float, period: float, last_end: float, credit: float, start: float, seconds: float
+) -> tuple[float, float]:
+    """When ``seconds`` of compute starting at ``start`` ends under a CPU quota of ``share`` of a
+    core per ``period``, and the credit left: the token bucket of the simulator's *CPU quotas*
+    (it earns ``share`` full-speed seconds per second, holds at most a period's budget, and
+    was last drawn at ``last_end`` with ``credit`` left)."""
+    credit = min(share * period, credit + share * max(0.0, start - last_end))
+    work = seconds * share
+    burst = credit / (1.0 - share)  # full-speed seconds the credit lasts
+    if work <= burst:
+        return start + work, credit - work * (1.0 - share)
+    return start + burst + (work - burst) / share, 0.0
+
+
+def run_compiled(
+    compiled: CompiledSchedule,
+    *,
+    forward_s: Sequence[float],
+    backward_input_s: Sequence[float],
+    backward_weight_s: Sequence[float],
+    send_forward_s: Sequence[float],
+    send_backward_s: Sequence[float],
+    scale: Sequence[float],
+    quota: Sequence[tuple[float, float]] | None,
+) -> tuple[list[float], list[float], float] | None:
+    """Each rank's final clock and busy seconds and the last end of any action or message;
+    ``None`` when some rank waits forever (the caller reports the deadlock). ``quota`` gives
+    each stage's (share, period), or is ``None`` for no quota anywhere."""
+    count = len(compiled.ranks)
+    pos = [0] * count
+    clock = [0.0] * count
+    busy = [0.0] * count
+    link_free = [0.0] * compiled.num_links
+    arrival = [-1.0] * compiled.num_messages
+    credit: dict[int, tuple[float, float]] = {}
+    last_end = 0.0
+    programs = compiled.programs
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(count):
+            program = programs[r]
+            p, clk, n = pos[r], clock[r], len(program)
+            start_p = p
+            while p < n:
+                code, s, mb, msg, link = program[p]
+                if code == _RECV:
+                    t = arrival[msg]
+                    if t < 0.0:
+                        break
+                    if t > clk:
+                        clk = t
+                elif code in (_SEND_F, _SEND_B):
+                    hop = send_forward_s[s] if code == _SEND_F else send_backward_s[s - 1]
+                    free = link_free[link]
+                    end = (clk if clk >= free else free) + hop * scale[mb]
+                    link_free[link] = end
+                    arrival[msg] = end
+                    if end > last_end:
+                        last_end = end
+                else:
+                    if code == _F:
+                        seconds = forward_s[s]
+                    elif code == _B:
+                        seconds = backward_input_s[s]
+                    elif code == _W:
+                        seconds = backward_weight_s[s]
+                    else:
+                        seconds = backward_input_s[s] + backward_weight_s[s]
+                    seconds *= scale[mb]
+                    if quota is not None and quota[s][0] < 1.0 and quota[s][1] > 0.0:
+                        share, period = quota[s]
+                        before, banked = credit.get(r, (0.0, 0.0))
+                        end, banked = quota_end(share, period, before, banked, clk, seconds)
+                        credit[r] = (end, banked)
+                    else:
+                        end = clk + seconds
+                    busy[r] += end - clk
+                    clk = end
+                    if end > last_end:
+                        last_end = end
+                p += 1
+            if p != start_p:
+                progressed = True
+            pos[r], clock[r] = p, clk
+    if any(pos[r] < len(programs[r]) for r in range(count)):
+        return None
+    return clock, busy, last_end
+
+
+def compiled_peak_memory(
+    compiled: CompiledSchedule,
+    *,
+    activation_bytes: Sequence[float],
+    transient_bytes: Sequence[float],
+    static_bytes: Sequence[float],
+    scale: Sequence[float],
+) -> dict[int, int]:
+    """Static bytes plus the peak of held activations (with the transient bytes of the action
+    computing then), per rank: the simulator's memory model on the compiled program."""
+    out: dict[int, int] = {}
+    held = [0.0] * compiled.num_slots
+    for rank, program, stages in zip(
+        compiled.ranks, compiled.memory_programs, compiled.rank_stages, strict=True
+    ):
+        base = sum(static_bytes[s] for s in stages if s < len(static_bytes))
+        current = peak = 0.0
+        for s, mb, added, released in program:
+            if added >= 0:
+                held[added] = activation_bytes[s] * scale[mb]
+                current += held[added]
+            top = current + transient_bytes[s] * scale[mb]
+            if top > peak:
+                peak = top
+            if released >= 0:
+                current -= held[released]
+        out[rank] = round(base + peak)
+    return out
