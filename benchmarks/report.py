@@ -13,6 +13,8 @@ What it writes:
 - In ``README.md`` and ``docs/*.md``, the text between ``<!-- report:NAME -->`` and
   ``<!-- /report:NAME -->``: NAME is a table above (by file stem, without its ``#`` title) or
   one of the summaries of ``SUMMARIES``. Links inside a block are relative to its document.
+  ``strategy_args`` is ``DeepCEEStrategy``'s argument table (``strategy_doc.py``), made from
+  its signature and docstring rather than from a JSON.
 
 The PNG charts are not regenerated here (their bytes depend on matplotlib's version): the
 benchmarks' own ``--report-only`` rebuilds them.
@@ -40,9 +42,10 @@ import lab_bench  # noqa: E402
 import planner_cases  # noqa: E402
 import profile_lab  # noqa: E402
 import profile_spread  # noqa: E402
+import strategy_doc  # noqa: E402
 import tta_bench  # noqa: E402
 
-__all__ = ["CURRENT", "SUMMARIES", "check", "expected_files", "main"]
+__all__ = ["ADAPTER", "CURRENT", "SUMMARIES", "THROUGHPUT", "check", "expected_files", "main"]
 
 CURRENT = (
     "cee6_gpt5m",
@@ -53,8 +56,12 @@ CURRENT = (
     "lan4_gpt5m",
 )
 """The lab benchmarks of the current code: the summaries and ``profile_spread.md`` read these."""
+THROUGHPUT = ("cee6_gpt5m", "cee6_layout_check", "cee7_farend_gpt5m", "cee6_fastedge_gpt5m")
+"""The headline rows: lab benchmarks whose systems ran interleaved in one invocation with a
+recorded date and commit (the older ``CURRENT`` files predate that and device choice)."""
+ADAPTER = ("adapter_cee6_planned", "adapter_cee7_farend_planned")
+"""The adapter's headline rows: the planner's plan, both arms interleaved in one invocation."""
 TOLERANCE = 0.15
-DEEPCEE_COLUMNS = ("deepcee", "deepcee-adapter")
 """The cost model's target: a planned run's predicted step within 15% of the measured one."""
 _RESULTS = "benchmarks/results"
 _BLOCK = re.compile(
@@ -114,42 +121,114 @@ def _label(name: str, data: dict[str, Any], doc_dir: Path, root: Path) -> str:
 
 
 def _best(data: dict[str, Any], keep: Callable[[str], bool]) -> str:
-    """``median (system)`` of the fastest system whose name ``keep`` accepts, or ``-``."""
-    best: tuple[float, str] | None = None
+    """``median (min-max) system`` of the fastest system whose name ``keep`` accepts, or ``-``."""
+    best: tuple[dict[str, float], str] | None = None
     for system, entry in data["systems"].items():
         stats = lab_bench._stats(entry["runs"])
-        if stats is not None and keep(system) and (best is None or stats["median"] > best[0]):
-            best = (stats["median"], system)
-    return "-" if best is None else f"{best[0]:.2f} (`{best[1]}`)"
+        if (
+            stats is not None
+            and keep(system)
+            and (best is None or stats["median"] > best[0]["median"])
+        ):
+            best = (stats, system)
+    return "-" if best is None else f"{_spread(best[0])} `{best[1]}`"
+
+
+def _spread(stats: dict[str, float]) -> str:
+    """``median (min-max)`` over the runs."""
+    return f"{stats['median']:.2f} ({stats['min']:.2f}-{stats['max']:.2f})"
+
+
+def _plans(data: dict[str, Any], system: str) -> int:
+    """How many different layouts the runs of ``system`` trained."""
+    cfg = data["config"]
+    runs = data["systems"].get(system, {}).get("runs", [])
+    return len({lab_bench._layout(cfg, r) for r in runs if "samples_per_s" in r})
 
 
 def _throughput(root: Path, doc_dir: Path) -> str:
-    """Samples/s (median of the runs): DeepCEE against the best alternative on every benchmark."""
+    """Samples/s, median (min-max) over the runs: DeepCEE against the best alternative of the
+    same invocation, on every benchmark of :data:`THROUGHPUT`."""
     lines = [
-        "| benchmark | `deepcee` | `deepcee-adapter` | best alternative | `deepcee` / best "
-        "| DDP, every device | DDP, best region subset | best torch pipelining | measured |",
+        "| benchmark | `deepcee` | plans | best alternative | `deepcee` / best | alternatives run "
+        "| DDP, every device | best torch pipelining | measured |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, data in _lab(root).items():
-        systems = data["systems"]
-        ours = [lab_bench._stats(systems.get(s, {}).get("runs", [])) for s in DEEPCEE_COLUMNS]
-        best = lab_bench.best_alternative(data)
-        ratio = (
-            "-"
-            if ours[0] is None or best is None
-            else f"{ours[0]['median'] / best[1]['median']:.2f}x"
-        )
+    for name in THROUGHPUT:
+        data = json.loads((root / _RESULTS / f"{name}.json").read_text())
         cfg = data["config"]
+        if "date" not in cfg or "commit" not in cfg:
+            raise ValueError(f"{name}.json has no date and commit: it cannot be a headline row")
+        ours = lab_bench._stats(data["systems"].get("deepcee", {}).get("runs", []))
+        best = lab_bench.best_alternative(data)
+        if ours is None or best is None:
+            raise ValueError(f"{name}.json: a headline row needs deepcee and an alternative")
+        st = best[1]
+        ratio = (
+            f"{ours['median'] / st['median']:.2f}x "
+            f"({ours['min'] / st['max']:.2f}-{ours['max'] / st['min']:.2f}x)"
+        )
+        others = [s for s in data["systems"] if lab_bench.split_system(s)[0] not in
+                  lab_bench.DEEPCEE_SYSTEMS]  # fmt: skip
         cells = [
-            *("-" if st is None else f"{st['median']:.2f}" for st in ours),
-            "-" if best is None else f"{best[1]['median']:.2f} (`{best[0]}`)",
+            _spread(ours),
+            str(_plans(data, "deepcee")),
+            f"{_spread(st)} `{best[0]}`",
             ratio,
+            str(len(others)),
             _best(data, lambda s: s == "ddp"),
-            _best(data, lambda s: s.startswith("ddp@")),
             _best(data, lambda s: s.split("@")[0] in lab_bench.PIPE_SYSTEMS),
-            f"{cfg['date']}, `{cfg['commit']}`" if "date" in cfg else "not recorded",
+            f"{cfg['date']}, `{cfg['commit']}`",
         ]
-        lines.append(f"| {_label(name, data, doc_dir, root)} | " + " | ".join(cells) + " |")
+        link = os.path.relpath(root / _RESULTS / f"{name}.md", doc_dir)
+        model = f"{cfg.get('model', 'gpt').upper()} `{cfg['size']}`"
+        lines.append(f"| [`{name}`]({link}), {model} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _adapter(root: Path, doc_dir: Path) -> str:
+    """The adapter's arms on every benchmark of :data:`ADAPTER`: samples/s while the link is
+    cut and on/off in every phase, median (min-max) over the runs."""
+    lines = [
+        "| benchmark | link cut | off, cut | on, cut | on/off: before | cut | after | measured |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in ADAPTER:
+        data = json.loads((root / _RESULTS / f"{name}.json").read_text())
+        if "date" not in data or "commit" not in data:
+            raise ValueError(f"{name}.json has no date and commit: it cannot be a headline row")
+        cfg = data["config"]
+        off_runs = adapter_bench.mode_runs(data, "off")
+        on_runs = adapter_bench.mode_runs(data, "on")
+        phases = adapter_bench._phases(cfg["trace"], cfg["end_s"])
+        if [p[0] for p in phases] != ["normal", "degraded", "recovered"]:
+            raise ValueError(f"{name}.json: expected a trace that cuts one link and restores it")
+
+        def values(runs: list[dict[str, Any]], phase: str) -> list[float]:
+            return [r["phases"][phase]["samples_per_s"] for r in runs]
+
+        def spread(v: list[float]) -> str:
+            return _spread(dict(median=statistics.median(v), min=min(v), max=max(v)))
+
+        ratios = []
+        for phase, _, _ in phases:
+            off, on = values(off_runs, phase), values(on_runs, phase)
+            per_run = [b / a for a, b in zip(off, on, strict=True)]
+            ratios.append(
+                f"{statistics.median(on) / statistics.median(off):.2f}x "
+                f"({min(per_run):.2f}-{max(per_run):.2f}x)"
+            )
+        cut = cfg["trace"][0]
+        _, start, end = phases[1]
+        cells = [
+            f"{'-'.join(cut['link'])} at {cut['bandwidth_mbit']:g} Mbit/s, {start:g}-{end:g} s",
+            spread(values(off_runs, "degraded")),
+            spread(values(on_runs, "degraded")),
+            *ratios,
+            f"{data['date']}, `{data['commit']}`",
+        ]
+        link = os.path.relpath(root / _RESULTS / f"{name}.md", doc_dir)
+        lines.append(f"| [`{name}`]({link}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -207,8 +286,10 @@ def _cpu_floor_fit(root: Path, doc_dir: Path) -> str:
 
 SUMMARIES: dict[str, Callable[[Path, Path], str]] = {
     "throughput": _throughput,
+    "adapter": _adapter,
     "cost_model": _cost_model,
     "cpu_floor_fit": _cpu_floor_fit,
+    "strategy_args": lambda root, doc_dir: strategy_doc.render(),
 }
 """Blocks that summarise several results files: name -> render(root, document's folder)."""
 

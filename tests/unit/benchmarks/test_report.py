@@ -73,13 +73,13 @@ def test_a_changed_json_makes_its_table_stale(
 ) -> None:
     report = load_benchmark("report")
     root = _copy_tree(tmp_path)
-    path = root / "benchmarks" / "results" / "tta_cee6.json"
+    path = root / "benchmarks" / "results" / "tta_cee6_gpt5m.json"
     data = json.loads(path.read_text())
     data["config"]["target"] = 2.5
     path.write_text(json.dumps(data))
     assert report.main(["--check", "--root", str(root)]) == 1
     err = capsys.readouterr().err
-    assert "stale: benchmarks/results/tta_cee6.md" in err
+    assert "stale: benchmarks/results/tta_cee6_gpt5m.md" in err
     assert "stale: docs/benchmarks.md" in err  # it embeds that table
 
 
