@@ -80,47 +80,48 @@ def compile_schedule(
     messages: dict[tuple[ActionKind, int, int], int] = {}
     links: dict[tuple[int, int], int] = {}
     slots: dict[tuple[int, int], int] = {}
-
-    def message(kind: ActionKind, stage: int, mb: int) -> int:
-        return messages.setdefault((kind, stage, mb), len(messages))
-
     programs, memory_programs = [], []
     max_stage = max_mb = 0
     for rank, actions in schedule.items():
         program: list[Op] = []
         memory: list[MemoryOp] = []
         held: set[tuple[int, int]] = set()
-        for pos, a in enumerate(actions):
-            s, mb, code = a.stage, a.microbatch, _CODE[a.kind]
-            max_stage, max_mb = max(max_stage, s), max(max_mb, mb)
-            if stage_to_rank.get(s) != rank:
+        mine = {s for s, r in stage_to_rank.items() if r == rank}
+        for a in actions:
+            s, mb, kind = a.stage, a.microbatch, a.kind
+            if s not in mine:
+                pos = len(program)
                 raise ScheduleError(
                     f"{a} is on rank {rank} but stage {s} is placed on rank "
                     f"{stage_to_rank.get(s)}\n{render(schedule, mark=(rank, pos))}"
                 )
-            msg = link = -1
-            if a.kind == K.RECV_F:
-                msg = message(K.SEND_F, s - 1, mb)
-            elif a.kind == K.RECV_B:
-                msg = message(K.SEND_B, s + 1, mb)
+            if s > max_stage:
+                max_stage = s
+            if mb > max_mb:
+                max_mb = mb
+            code = _CODE[kind]
+            if code == _RECV:
+                key3 = (K.SEND_F, s - 1, mb) if kind == K.RECV_F else (K.SEND_B, s + 1, mb)
+                msg = messages.setdefault(key3, len(messages))
+                program.append((code, s, mb, msg, -1))
             elif code in (_SEND_F, _SEND_B):
                 peer_stage = s + 1 if code == _SEND_F else s - 1
                 if peer_stage not in stage_to_rank:
                     raise ScheduleError(f"{a} sends to stage {peer_stage}, which has no rank")
-                pair = (rank, stage_to_rank[peer_stage])
-                link = links.setdefault(pair, len(links))
-                msg = message(a.kind, s, mb)
+                link = links.setdefault((rank, stage_to_rank[peer_stage]), len(links))
+                msg = messages.setdefault((kind, s, mb), len(messages))
+                program.append((code, s, mb, msg, link))
             else:
                 key = (s, mb)
                 added = released = -1
                 if code == _F:
                     added = slots.setdefault(key, len(slots))
                     held.add(key)
-                if code in (_W, _BW) and key in held:
+                elif code >= _W and key in held:
                     released = slots[key]
                     held.discard(key)
                 memory.append((s, mb, added, released))
-            program.append((code, s, mb, msg, link))
+                program.append((code, s, mb, -1, -1))
         programs.append(tuple(program))
         memory_programs.append(tuple(memory))
     ranks = tuple(schedule)
