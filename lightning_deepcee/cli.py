@@ -42,14 +42,16 @@ def _refuse_overwrite(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from lightning_deepcee.planner import plan_search, stage_costs
+    from lightning_deepcee.planner import plan_search
+    from lightning_deepcee.planner.record import format_device_sets, plan_timeline, simulate_plan
+    from lightning_deepcee.planner.search import DeviceSetScore
     from lightning_deepcee.profiler import ClusterProfile
-    from lightning_deepcee.schedule import lower, simulate
 
     _refuse_overwrite(args)
     path = str(args.profile)
     is_json = path.endswith(".json")
     profile = ClusterProfile.from_json(path) if is_json else ClusterProfile.from_yaml(path)
+    device_sets: dict[tuple[int, ...], DeviceSetScore] = {}
     plan = plan_search(
         profile,
         num_blocks=profile.num_blocks,
@@ -57,36 +59,18 @@ def _plan(args: argparse.Namespace) -> int:
         schedules=tuple(args.schedules.split(",")),
         beam_width=args.beam_width,
         device_gain=args.device_gain,
+        device_sets=device_sets,
     )
     print(plan.format_table())
+    print(format_device_sets(profile, device_sets, plan))
     plan.to_json(args.out)
     print(f"wrote {args.out}")
-    if args.timeline or args.trace:
-        costs = stage_costs(
-            profile, plan.stages, microbatch_size=plan.global_batch_size / plan.num_microbatches
-        )
-        p, m = len(plan.stages), plan.num_microbatches
-        placement = {s: s for s in range(p)}
-        result = simulate(
-            lower(plan.stage_schedule(), placement), placement, costs, num_microbatches=m
-        )
-        if args.trace:
-            result.write_chrome_trace(args.trace)
-            print(f"wrote {args.trace} (open in Perfetto)")
-        if args.timeline:
-            from lightning_deepcee.schedule.timeline import plot_timeline
-
-            labels = {
-                s: f"stage {s}: " + ", ".join(profile.devices[r].host for r in st.ranks)
-                for s, st in enumerate(plan.stages)
-            }
-            plot_timeline(
-                result,
-                args.timeline,
-                title=f"{plan.schedule}, {m} micro-batches",
-                row_labels=labels,
-            )
-            print(f"wrote {args.timeline}")
+    if args.trace:
+        simulate_plan(plan, profile).write_chrome_trace(args.trace)
+        print(f"wrote {args.trace} (open in Perfetto)")
+    if args.timeline:
+        plan_timeline(plan, profile, args.timeline)
+        print(f"wrote {args.timeline}")
     return 0
 
 

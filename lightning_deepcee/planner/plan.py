@@ -5,11 +5,10 @@ This module owns two frozen records:
 - :class:`StagePlan`: one pipeline stage, a contiguous half-open block range ``[start, end)``
   and the ranks that share it by (asymmetric) data parallelism, each with its share of every
   micro-batch.
-- :class:`Plan`: the ordered stages, the schedule kind, the micro-batch count, the global batch
-  size, the cost model's predictions, and the fingerprints of the model and cluster it was made
-  for. JSON round-trip (:meth:`Plan.to_json` / :meth:`Plan.from_json`), a readable table
-  (:meth:`Plan.format_table`) and :meth:`Plan.check_matches`, which refuses a saved plan that does
-  not fit the current model or cluster.
+- :class:`Plan`: the ordered stages, schedule, micro-batch count, global batch, the cost
+  model's predictions, and the model's and cluster's fingerprints. JSON round-trip, a table
+  (:meth:`Plan.format_table`) and :meth:`Plan.check_matches`, which refuses a saved plan that
+  does not fit the current model or cluster.
 
 A ``"compact"`` plan carries its schedule: the compact zero-bubble schedule is fitted to the
 cluster's costs, so the planner stores the compute actions of every stage
@@ -119,9 +118,8 @@ class StagePlan:
         """A stage from values the planner computed itself (int tuples, positive float shares
         summing to 1), without the checks: the search builds tens of thousands per plan."""
         stage = object.__new__(cls)
-        object.__setattr__(stage, "block_range", block_range)
-        object.__setattr__(stage, "ranks", ranks)
-        object.__setattr__(stage, "batch_shares", batch_shares)
+        for name, value in zip(cls.__slots__, (block_range, ranks, batch_shares), strict=True):
+            object.__setattr__(stage, name, value)
         return stage
 
     @property
@@ -223,8 +221,8 @@ class Plan:
     compute_bound_s: float | None = None
     """The compute bound of the devices the plan uses: the global batch's compute spread over
     their summed speed, with no bubble, transfer, fixed per-call cost or optimizer step. No plan
-    on these devices can step faster (0 if their profile measured no per-sample compute). Set
-    by the planner; ``None`` on a hand-made plan."""
+    on these devices can step faster (0 if their profile measured no per-sample compute).
+    Set by the planner; ``None`` on a hand-made plan."""
     cluster_bound_s: float | None = None
     """The same bound over every device of the cluster, idle ones included."""
     step_parts_s: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -311,11 +309,8 @@ class Plan:
         for name in ("compute_bound_s", "cluster_bound_s"):
             value = getattr(self, name)
             if value is not None:
-                # 0 where the profile measured no per-sample compute (all fixed cost).
                 if not _is_real(value) or not math.isfinite(value) or value < 0:
-                    raise ValueError(
-                        f"{name}: expected a non-negative finite number, got {value!r}"
-                    )
+                    raise ValueError(f"{name}: expected a non-negative finite number, got {value}")
                 object.__setattr__(self, name, float(value))
         parts = self.step_parts_s
         if not isinstance(parts, Mapping) or not all(

@@ -71,7 +71,14 @@ from lightning_deepcee.schedule.actions import format_actions
 from lightning_deepcee.schedule.compact import COST_AWARE_SCHEDULE_KINDS
 from lightning_deepcee.schedule.generators import SCHEDULE_KINDS
 
-__all__ = ["DEFAULT_MAX_STAGES", "DEVICE_GAIN", "baseline_plans", "make_plan", "plan_search"]
+__all__ = [
+    "DEFAULT_MAX_STAGES",
+    "DEVICE_GAIN",
+    "DeviceSetScore",
+    "baseline_plans",
+    "make_plan",
+    "plan_search",
+]
 
 DEFAULT_MAX_STAGES = 16
 """Network groups beyond this many (or beyond the number of blocks) are merged by bandwidth."""
@@ -107,6 +114,7 @@ def plan_search(
     device_gain: float = DEVICE_GAIN,
     alternatives: list[Plan] | None = None,
     map_fn: MapFn = serial_map,
+    device_sets: dict[tuple[int, ...], DeviceSetScore] | None = None,
 ) -> Plan:
     """Search for the plan with the lowest predicted step time, on the best set of devices.
 
@@ -145,6 +153,8 @@ def plan_search(
             fitting the compact schedule to each layout at each micro-batch count); one that
             spreads them over other processes (``DeepCEEStrategy`` at set-up) returns the same
             plan sooner.
+        device_sets: when given, filled with every device set the search scored (its ranks,
+            whole-cluster numbering) and its prediction: why the chosen devices won.
 
     Returns:
         The best plan; its ``notes`` name the candidate kind and the baselines' predictions,
@@ -175,9 +185,11 @@ def plan_search(
     )
     found: list[Plan] = [] if alternatives is None else alternatives
     with_bounds = functools.partial(_with_bounds, profile=profile, config=config)
+    sets: dict[tuple[int, ...], DeviceSetScore] = {} if device_sets is None else device_sets
     if not choose_devices or profile.num_devices == 1:
         best = search(profile, others=found)
         _keep_others(found, best)
+        sets[tuple(range(profile.num_devices))] = DeviceSetScore(best.predicted_step_time_s, True)
         return with_bounds(best, global_batch_size)
     # Every candidate device set gets a quick search (one generated schedule, a beam of one, one
     # refinement round), most promising first and only while its compute bound can still beat
@@ -241,6 +253,10 @@ def plan_search(
         key=lambda ranks: (len(ranks), full[ranks].predicted_step_time_s),
     )
     best = full[best_ranks]
+    sets.update((ranks, DeviceSetScore(seconds, False)) for ranks, seconds in scored.items())
+    sets.update(
+        (ranks, DeviceSetScore(plan.predicted_step_time_s, True)) for ranks, plan in full.items()
+    )
     for ranks in full:
         mine = [*([] if ranks == best_ranks else [full[ranks]]), *others[ranks]]
         found += [lift(p, ranks, profile.num_devices) for p in mine]
@@ -264,6 +280,17 @@ def plan_search(
         f"{best.notes}"
     )
     return with_bounds(lift(best, best_ranks, profile.num_devices, notes), global_batch_size)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceSetScore:
+    """What the search predicted for one device set."""
+
+    step_time_s: float
+    """Predicted step time of the set's best plan."""
+    full: bool
+    """Whether the set got the full search (else the quick one: one generated schedule, a beam
+    of one, one refinement round; an upper bound on what a full search would find)."""
 
 
 def _with_bounds(
