@@ -25,6 +25,7 @@ from lightning_deepcee.adapter.exchange import Exchanged, pack, unpack
 from lightning_deepcee.adapter.guard import ActionGuard, GuardConfig, Verdict
 from lightning_deepcee.adapter.monitor import LinkMonitor, LinkObservation, MonitorConfig
 from lightning_deepcee.callbacks.replanner import Replanned, Replanner, SplitState, on_one_rank
+from lightning_deepcee.callbacks.strategy_view import deepcee_strategy
 
 if TYPE_CHECKING:
     from lightning_deepcee.callbacks.strategy_view import AdaptableStrategy
@@ -524,8 +525,5 @@ def _setup_floor(strategy: AdaptableStrategy) -> float | None:
 
 
 def _deepcee(trainer: pl.Trainer) -> AdaptableStrategy:
-    from lightning_deepcee.strategy.deepcee import DeepCEEStrategy
-
-    if not isinstance(trainer.strategy, DeepCEEStrategy):
-        raise TypeError("This callback needs Trainer(strategy=DeepCEEStrategy()).")
-    return trainer.strategy
+    strategy: AdaptableStrategy = deepcee_strategy(trainer, "DynamicEnvironmentAdapter")
+    return strategy

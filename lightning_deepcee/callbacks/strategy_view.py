@@ -11,30 +11,37 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+import lightning.pytorch as pl
+
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
     import torch
 
     from lightning_deepcee.planner import Plan
     from lightning_deepcee.profiler import ClusterProfile
     from lightning_deepcee.runtime.transport import TransferRecord
 
-__all__ = ["AdaptableStrategy"]
+__all__ = ["AdaptableStrategy", "deepcee_strategy"]
 
 
 class AdaptableStrategy(Protocol):
     """The strategy as the adapter sees it: the running plan, its profile, and the calls that
     change the split or the layout between two steps (collective: every rank together)."""
 
-    plan: Plan | None
-    """The running layout."""
     cluster_profile: ClusterProfile | None
     """The profile the running plan is judged on; a re-plan replaces it with the links as
     measured, a revert puts the previous one back."""
-    num_microbatches: int
-    """Micro-batches per step now."""
     device_gain: float
     """The search's margin for using more devices (``DeepCEEStrategy(device_gain=...)``)."""
+
+    @property
+    def plan(self) -> Plan | None:
+        """The running layout."""
+        ...
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per step now."""
+        ...
 
     @property
     def global_rank(self) -> int: ...
@@ -72,3 +79,14 @@ class AdaptableStrategy(Protocol):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """``obj`` of rank ``src`` on every rank."""
         ...
+
+
+def deepcee_strategy(trainer: pl.Trainer, callback: str) -> Any:
+    """The trainer's strategy; ``TypeError`` naming ``callback`` unless it is a
+    ``DeepCEEStrategy`` (imported here, on call: the callbacks import nothing of the strategy
+    package at import time)."""
+    from lightning_deepcee.strategy.deepcee import DeepCEEStrategy
+
+    if not isinstance(trainer.strategy, DeepCEEStrategy):
+        raise TypeError(f"{callback} needs Trainer(strategy=DeepCEEStrategy()).")
+    return trainer.strategy

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
+
+from lightning_deepcee.callbacks.strategy_view import deepcee_strategy
+
+if TYPE_CHECKING:
+    from lightning_deepcee.strategy.deepcee import DeepCEEStrategy
 
 __all__ = ["PipelineThroughputMonitor"]
 
@@ -90,11 +95,7 @@ class PipelineThroughputMonitor(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        from lightning_deepcee.strategy.deepcee import DeepCEEStrategy
-
-        strategy = trainer.strategy
-        if not isinstance(strategy, DeepCEEStrategy):
-            raise TypeError("PipelineThroughputMonitor needs Trainer(strategy=DeepCEEStrategy()).")
+        strategy: DeepCEEStrategy = deepcee_strategy(trainer, "PipelineThroughputMonitor")
         self._steps += 1
         step_s = time.perf_counter() - self._start
         if self._steps > 1:  # the first step includes warm-up

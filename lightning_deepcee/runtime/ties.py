@@ -3,10 +3,10 @@
 A parameter used by blocks on two stages (GPT-2's embedding and output head) has a copy on every
 device of both stages. Each copy's gradient covers only the uses on its stage, so the copies'
 gradients are summed over all of those devices (:func:`make_tie_groups`, then
-:func:`~lightning_deepcee.runtime.layout.sum_gradients` on the tie's group instead of the stage's):
-every copy then holds the gradient one device would compute, and identical optimizers keep the
-copies identical. Checkpoints keep a tied parameter once, on the first stage that uses it (the
-*owner*); the others fill it back in at load (:func:`tied_names_to_fill`).
+:func:`~lightning_deepcee.runtime.stage_groups.sum_gradients` on the tie's group instead of the
+stage's): every copy then holds the gradient one device would compute, and identical optimizers
+keep the copies identical. Checkpoints keep a tied parameter once, on the first stage that uses
+it (the *owner*); the others fill it back in at load (:func:`tied_names_to_fill`).
 
 Devices that share a stage (or hold a tied copy) must start from the same weights: without a
 common seed they would not, so setup broadcasts them (:func:`broadcast_initial_weights`), as
@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_deepcee.runtime.layout import (
+from lightning_deepcee.runtime.stage import TiedParameter
+from lightning_deepcee.runtime.stage_groups import (
     broadcast_buffers,
     sum_gradients,
     unbound_gloo_default_group,
 )
-from lightning_deepcee.runtime.stage import TiedParameter
 from lightning_deepcee.runtime.transport import wire_device
 
 __all__ = [

@@ -8,7 +8,7 @@ F and either one BW or one B followed by one W, and the optimizer steps after th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from lightning_deepcee.schedule.actions import Action, ActionKind
 
@@ -35,6 +35,20 @@ def _check(num_stages: int, num_microbatches: int) -> None:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
 
 
+def _one_f_one_b_order(p: int, s: int, m: int) -> Iterator[tuple[ActionKind, int]]:
+    """Stage ``s``'s 1F1B order of forwards (``F``) and backwards (``B``): ``p - s - 1`` warm-up
+    forwards, then one forward before each backward while forwards remain. 1F1B runs each
+    backward whole (BW); ZB-H1 splits it and places the W passes."""
+    warmup = min(p - s - 1, m)
+    yield from ((F, i) for i in range(warmup))
+    f_next = warmup
+    for b in range(m):
+        if f_next < m:
+            yield F, f_next
+            f_next += 1
+        yield B, b
+
+
 def gpipe(num_stages: int, num_microbatches: int) -> StageSchedule:
     """All forwards, then all backwards (in micro-batch order), on every stage.
 
@@ -55,19 +69,10 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> StageSchedule:
     """
     _check(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
-    out: StageSchedule = {}
-    for s in range(p):
-        warmup = min(p - s - 1, m)
-        acts = [Action(s, F, i) for i in range(warmup)]
-        f_next, b_next = warmup, 0
-        while b_next < m:
-            if f_next < m:
-                acts.append(Action(s, F, f_next))
-                f_next += 1
-            acts.append(Action(s, BW, b_next))
-            b_next += 1
-        out[s] = acts
-    return out
+    return {
+        s: [Action(s, BW if kind == B else F, i) for kind, i in _one_f_one_b_order(p, s, m)]
+        for s in range(p)
+    }
 
 
 def zb_h1(num_stages: int, num_microbatches: int) -> StageSchedule:
@@ -84,17 +89,14 @@ def zb_h1(num_stages: int, num_microbatches: int) -> StageSchedule:
     p, m = num_stages, num_microbatches
     out: StageSchedule = {}
     for s in range(p):
-        warmup = min(p - s - 1, m)
         max_pending_w = s
-        acts = [Action(s, F, i) for i in range(warmup)]
-        f_next, b_next, w_next = warmup, 0, 0
-        while b_next < m:
-            if f_next < m:
-                acts.append(Action(s, F, f_next))
-                f_next += 1
-            acts.append(Action(s, B, b_next))
-            b_next += 1
-            if b_next - w_next > max_pending_w or f_next >= m:
+        acts: list[Action] = []
+        forwards = w_next = 0
+        for kind, i in _one_f_one_b_order(p, s, m):
+            acts.append(Action(s, kind, i))
+            if kind == F:
+                forwards += 1
+            elif i + 1 - w_next > max_pending_w or forwards >= m:
                 acts.append(Action(s, W, w_next))
                 w_next += 1
         acts.extend(Action(s, W, i) for i in range(w_next, m))

@@ -12,80 +12,77 @@ Lightning's automatic optimization zeroes gradients between ``training_step`` an
 (its closure runs ``training_step``, ``zero_grad``, ``backward``, then the optimizer step). The
 optimizer then steps once per batch, after every W of the step: exact synchronous semantics, the
 same update a single device computes on the whole batch.
+
+The class holds Lightning's hooks only and delegates to parts that own their state (this
+module's imports from ``strategy/``): the stage part, the checkpointer, the step log and the
+failure naming; the set-up steps (profile, plan, build, trial) are functions.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from typing_extensions import override
 
-from lightning_deepcee._compat import fit_dataloader
+from lightning_deepcee._compat import PATH, fit_dataloader, set_default_timeout
 from lightning_deepcee.planner import DEVICE_GAIN, Plan
 from lightning_deepcee.profiler import ClusterProfile, DeviceGroups
-from lightning_deepcee.runtime import (
-    PipelineExecutor,
-    PipelineSpec,
-    Stage,
-    batch_size_of,
-    get_pipeline_spec,
-)
+from lightning_deepcee.runtime import PipelineSpec, Stage
 from lightning_deepcee.runtime.executor import StepStats
-from lightning_deepcee.runtime.layout import (
-    ManualLayout,
-    batch_dependent_modules,
-    batch_statistics_warning,
-    call_with_output,
+from lightning_deepcee.runtime.executors import call_with_output
+from lightning_deepcee.runtime.liveness import agree_group_token
+from lightning_deepcee.runtime.loaders import real_batch
+from lightning_deepcee.runtime.manual_layout import ManualLayout
+from lightning_deepcee.runtime.transport import TransferRecord
+from lightning_deepcee.strategy.checkpointer import (
+    ShardedCheckpointer,
+    check_same_checkpoint,
+    resumable_loader,
 )
-from lightning_deepcee.runtime.liveness import (
-    Heartbeat,
-    default_store,
-    explain_failure,
-    is_communication_failure,
-    report_failure,
-)
-from lightning_deepcee.runtime.loaders import real_batch, stand_in_warning
-from lightning_deepcee.runtime.stage import tied_parameters
-from lightning_deepcee.runtime.step_figures import StepFigures
-from lightning_deepcee.strategy.elastic import ElasticStrategy
+from lightning_deepcee.strategy.failure_naming import FailureNaming
 from lightning_deepcee.strategy.gc_freeze import GcFreeze
-from lightning_deepcee.strategy.module_checks import refuse_manual_optimization
+from lightning_deepcee.strategy.layout_build import build_layout, live_shard, relayout_from
+from lightning_deepcee.strategy.module_checks import (
+    check_arguments,
+    plan_argument,
+    refuse_manual_optimization,
+)
+from lightning_deepcee.strategy.placement import Placement
+from lightning_deepcee.strategy.plan_checks import check_replacement, running_plan
 from lightning_deepcee.strategy.plan_trial import trial_plans
+from lightning_deepcee.strategy.precision import wrap_precision
 from lightning_deepcee.strategy.reporting import (
     SetupTimer,
     check_versions,
-    print_everywhere,
     summarise_whole_model,
-    warn_unrun_steps,
+    warn_at_setup,
 )
 from lightning_deepcee.strategy.setup_plan import initial_plan
 from lightning_deepcee.strategy.setup_profile import ProfileSettings, profile_at_setup
+from lightning_deepcee.strategy.stage_part import PipelineStagePart
+from lightning_deepcee.strategy.step_log import StepLog
 
-__all__ = ["DeepCEEStrategy"]
+__all__ = ["START_TIMEOUT_S", "DeepCEEStrategy"]
 
-log = logging.getLogger(__name__)
-
-HEARTBEAT_S = 1.0
-"""Seconds between a rank's liveness beats in the rendezvous store."""
-LIVENESS_WAIT_S = 3.0
-"""After a failed step, how long a rank watches the heartbeats to name the lost device."""
+START_TIMEOUT_S = 600.0
+"""How long forming the process group waits for the last device to arrive. A device at a few
+percent of a core takes a minute or more to import torch and Lightning and build its model before
+it joins; the strategy's ``timeout_s`` (how soon a dead device stops the others) starts after."""
 
 
-class DeepCEEStrategy(ElasticStrategy):
+class DeepCEEStrategy(DDPStrategy):
     """Pipeline-parallel training across heterogeneous devices, exact synchronous gradients.
 
     Three ways to choose the layout:
@@ -182,35 +179,19 @@ class DeepCEEStrategy(ElasticStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
     ) -> None:
-        manual = any(
-            x is not None for x in (partition, schedule, num_microbatches, num_stages, placement)
-        )
-        if plan is not None and manual:
-            raise ValueError(
-                "DeepCEEStrategy(plan=...) decides partition, schedule, micro-batches and "
-                "placement; pass either a plan or those arguments, not both."
-            )
-        self.plan_arg = plan if plan is not None else (None if manual else "auto")
+        manual = (partition, schedule, num_microbatches, num_stages, placement)
+        self.plan_arg = plan_argument(plan, manual=any(x is not None for x in manual))
         self._manual = ManualLayout.from_arguments(
             partition, schedule, num_microbatches, num_stages, placement
         )
-        for name, value in (
-            ("timeout_s", timeout_s),
-            ("profile_budget_s", profile_budget_s),
-            (
-                "profile_block_budget_s",
-                1.0 if profile_block_budget_s is None else profile_block_budget_s,
-            ),
-        ):
-            if value <= 0:
-                raise ValueError(f"DeepCEEStrategy({name}={value}) must be > 0.")
-        rounds = profile_rounds
-        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-            raise ValueError(f"DeepCEEStrategy(profile_rounds={rounds!r}) must be an integer >= 1.")
-        if isinstance(device_gain, bool) or not 0 <= device_gain < 1:
-            raise ValueError(f"DeepCEEStrategy(device_gain={device_gain!r}) must be in [0, 1).")
-        if isinstance(plan_trial, bool) or not isinstance(plan_trial, int) or plan_trial < 1:
-            raise ValueError(f"DeepCEEStrategy(plan_trial={plan_trial!r}) must be an integer >= 1.")
+        check_arguments(
+            timeout_s=timeout_s,
+            profile_budget_s=profile_budget_s,
+            profile_block_budget_s=profile_block_budget_s,
+            profile_rounds=profile_rounds,
+            device_gain=device_gain,
+            plan_trial=plan_trial,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -220,60 +201,140 @@ class DeepCEEStrategy(ElasticStrategy):
             process_group_backend=process_group_backend,
             timeout=timedelta(seconds=timeout_s),
         )
-        self.num_microbatches = self._manual.num_microbatches
-        """Micro-batches per step now: the plan's, until the adapter re-splits."""
         self.profile = profile or profile_cache is not None or self.plan_arg == "auto"
-        self.profile_cache = profile_cache
-        self.profile_budget_s, self.profile_block_budget_s = (
-            profile_budget_s,
-            profile_block_budget_s,
+        self.profile_settings = ProfileSettings(
+            cache=profile_cache,
+            budget_s=profile_budget_s,
+            rounds=profile_rounds,
+            block_budget_s=profile_block_budget_s,
+            device_cache=device_cache,
         )
-        self.profile_rounds, self.device_cache = profile_rounds, device_cache
         self.cluster_profile: ClusterProfile | None = None
         self.setup_seconds: dict[str, float] = {}
         """The last fit's set-up in seconds, part by part (``SetupTimer.flat``)."""
         self.device_groups: DeviceGroups | None = None
-        self.verbose = verbose
-        self.receive_ahead = receive_ahead
-        self.freeze_gc = freeze_gc
-        self.async_checkpoint, self.device_gain = async_checkpoint, device_gain
-        self.plan_trial = plan_trial
-        self._gc = GcFreeze()
-        self.ranges: list[tuple[int, int]] = []
-        self.spec: PipelineSpec | None = None
-        self.stage: Stage | None = None
-        self._executor: PipelineExecutor | None = None
-        self._eval_executor: PipelineExecutor | None = None
-        self._predict_executor: PipelineExecutor | None = None
-        self._stage_group: Any = None
-        self.plan: Plan | None = None
-        """The running layout (every layout is a Plan; a manual one has no predictions)."""
+        self.verbose, self.freeze_gc = verbose, freeze_gc
+        self.device_gain, self.plan_trial = device_gain, plan_trial
         self.plan_alternatives: list[Plan] = []
         """Rank 0, automatic plan: the search's other best plans, for the plan trial."""
-        self._pending_grads: list[torch.Tensor | None] | None = None
-        self._global_batch_size = 0
         self.last_step_stats: StepStats | None = None
-        self.last_step_samples = 0
-        self.last_step_tokens: int | None = None
-        self._heartbeat: Heartbeat | None = None
+        self.stage_part = PipelineStagePart(
+            num_microbatches=self._manual.num_microbatches, receive_ahead=receive_ahead
+        )
+        """This rank's part of the running plan: stage, executors, process groups, the step."""
+        self.checkpointer = ShardedCheckpointer(asynchronous=async_checkpoint)
+        """Sharded checkpoint saves and loads, and the records that make restarts visible."""
+        self.step_log = StepLog()
+        """Runs and logs each step; keeps the last step's sample and token counts."""
+        self._failures = FailureNaming()
+        self._gc = GcFreeze()
+        self._pending_grads: list[torch.Tensor | None] | None = None
+        """The last training step's gradients, kept aside until :meth:`backward`."""
+        self._global_batch_size = 0
         self._hosts: list[str] = []
-        self._block_names: list[str] = []
-        """Qualified name of every block in the unsplit module, so a rebuild can put back the
-        blocks that ``build_stage`` replaced by ``nn.Identity``."""
-        self._split_module: Any = None
-        """The module whose blocks ``build_stage`` split (a second setup of it restores them)."""
-        self._synced_buffers: list[torch.Tensor] = []
-        self._ties, self._tie_groups = [], []  # tied parameters (typed in the base class)
-        self._figures = StepFigures()
+
+    # ----------------------------------------------------------------- the running layout
+    @property
+    def plan(self) -> Plan | None:
+        """The running layout (every layout is a Plan; a manual one has no predictions)."""
+        return self.stage_part.plan
+
+    @property
+    def spec(self) -> PipelineSpec | None:
+        """The whole model's pipeline (``configure_pipeline``), once set up."""
+        return self.stage_part.spec
+
+    @property
+    def stage(self) -> Stage | None:
+        """This rank's blocks of the running plan."""
+        return self.stage_part.stage
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per step now: the plan's, until :meth:`set_num_microbatches`."""
+        return self.stage_part.num_microbatches
+
+    @property
+    def where(self) -> Placement:
+        """Where this rank sits in the running plan (before set-up makes one: in the manual
+        layout's arguments)."""
+        return Placement.of_running(self.plan, self._manual, self.world_size, self.global_rank)
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline depth (stages per replica)."""
+        return self.where.num_stages
+
+    @property
+    def num_replicas(self) -> int:
+        """Data-parallel pipeline replicas, each reading its own shard of the data."""
+        return self.where.num_replicas
+
+    @property
+    def is_idle(self) -> bool:
+        """Whether the running plan leaves this rank idle (no stage, no compute)."""
+        return self.plan is not None and self.global_rank in self.plan.idle_ranks
+
+    @property
+    def transfer_records(self) -> list[TransferRecord]:
+        """This rank's transfers of the last training step (peer, bytes, seconds, direction)."""
+        return self.stage_part.transfer_records
+
+    @property
+    def last_step_samples(self) -> int:
+        """Samples of the last step over all replicas."""
+        return self.step_log.samples
+
+    @property
+    def last_step_tokens(self) -> int | None:
+        """Tokens of the last step (``PipelineSpec.tokens_fn``), ``None`` without one."""
+        return self.step_log.tokens
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Shard by pipeline replica only: every stage of one pipeline sees the same batch.
+        return {"num_replicas": self.num_replicas, "rank": self.where.replica_index}
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_plugin = (
+            None if precision_plugin is None else wrap_precision(precision_plugin)
+        )
+
+    def _trainer(self) -> pl.Trainer | None:
+        return self.lightning_module.trainer if self.lightning_module is not None else None
 
     # ------------------------------------------------------------------------------ setup
     @override
+    def setup_distributed(self) -> None:
+        """Form the process group with ``START_TIMEOUT_S`` for the devices to arrive, then run it
+        with the strategy's own timeout (``timeout_s``)."""
+        running = self._timeout
+        start = timedelta(seconds=START_TIMEOUT_S)
+        self._timeout = start if running is None else max(running, start)
+        try:
+            super().setup_distributed()
+        finally:
+            self._timeout = running
+        if running is not None and dist.is_initialized():
+            set_default_timeout(running)
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        if self.world_size > 1:
+            agree_group_token()  # before any heartbeat: the keys of this start of the job
+        module = self.lightning_module
+        check_same_checkpoint(module._trainer if module is not None else None, self.world_size)
         self._hosts = check_versions(self.world_size)
-        store = default_store()
-        if store is not None and self.world_size > 1:
-            self._heartbeat = Heartbeat(store, self.global_rank, interval_s=HEARTBEAT_S).start()
+        self._failures.start(self.global_rank, self.world_size, self._hosts)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -282,18 +343,7 @@ class DeepCEEStrategy(ElasticStrategy):
         module = self.lightning_module
         assert module is not None
         refuse_manual_optimization(module)
-        if self._split_module is module and self.spec is not None:
-            # A second setup of the same module (validate/test after fit): its blocks are split
-            # for the old layout; put them back and keep the spec of the whole model.
-            self._restore_blocks()
-        else:
-            self.spec = get_pipeline_spec(module)
-            qualified = {id(m): name for name, m in module.named_modules()}
-            self._block_names = [qualified[id(block)] for block in self.spec.blocks]
-            self._ties = [
-                (tie, module.get_parameter(tie.names[0]))
-                for tie in tied_parameters(module, self.spec.blocks)
-            ]
+        self.stage_part.adopt(module)
         spec = self.spec
         assert spec is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -308,174 +358,172 @@ class DeepCEEStrategy(ElasticStrategy):
                     num_microbatches=self.num_microbatches,
                     device=self.root_device,
                     world_size=self.world_size,
-                    settings=ProfileSettings(
-                        cache=self.profile_cache,
-                        budget_s=self.profile_budget_s,
-                        rounds=self.profile_rounds,
-                        block_budget_s=self.profile_block_budget_s,
-                        device_cache_dir=self.device_cache_dir(),
-                    ),
+                    settings=self.profile_settings,
                 )
                 self.cluster_profile, self.device_groups = found.profile, found.groups
                 self._global_batch_size = found.global_batch_size
                 timer.detail["profile"] = found.parts
         with timer("plan"):
-            plan = self._initial_plan(fitting)
+            plan, alternatives = initial_plan(
+                self.plan_arg,
+                manual=self._manual,
+                blocks=spec.blocks,
+                world_size=self.world_size,
+                cluster_profile=self.cluster_profile,
+                global_batch_size=self._global_batch_size,
+                device_gain=self.device_gain,
+                running=None if fitting else self.plan,
+            )
+            if alternatives is not None:
+                self.plan_alternatives = alternatives
         with timer("build"):
-            self._build(plan, trainer)
+            build_layout(self, plan, trainer)
         if fitting and self.plan_arg == "auto" and self.plan_trial > 1:
             with timer("trial"):
                 trial_plans(self, trainer, self.plan_trial)
+        self._pending_grads = None
         if fitting:
             timer.report(trainer)
             self.setup_seconds = timer.flat()
-        summarise_whole_model(trainer, self.whole_model)
+        summarise_whole_model(trainer, self.stage_part.whole_model)
         assert self.plan is not None
-        batch_warning = batch_statistics_warning(
-            batch_dependent_modules(spec.blocks),
-            self.plan,
-            self.num_microbatches,
-            type(module).__name__,
-        )
-        if batch_warning is not None:
-            rank_zero_warn(batch_warning, category=UserWarning)
-        callbacks = getattr(trainer, "callbacks", [])  # set by its connector, not declared
-        hooks_warning = stand_in_warning(self.plan.idle_ranks, module, callbacks)
-        if hooks_warning is not None:
-            rank_zero_warn(hooks_warning, category=UserWarning)
-        warn_unrun_steps(module, spec)
-        # train/val/test_loss are all-reduced before they are logged (every rank holds the same
-        # value), so Lightning's advice to sync them on epoch level does not apply.
-        warnings.filterwarnings(
-            "ignore",
-            message=r"It is recommended to use `self\.log\('(train|val|test)_",
-            category=PossibleUserWarning,
+        warn_at_setup(trainer, module, spec, self.plan)
+
+    # ------------------------------------------------------------------------ re-planning
+    def set_num_microbatches(self, num_microbatches: int) -> None:
+        """Use ``num_microbatches`` from the next step on (all ranks must call it together).
+
+        Any split gives the same gradient (rows are weighted by their share of the step), so the
+        adapter may change it between any two steps without a restart.
+        """
+        self.stage_part.set_num_microbatches(num_microbatches)
+
+    def current_plan(self) -> Plan:
+        """The running layout as a :class:`Plan`, what a re-plan is compared with
+        (:func:`~lightning_deepcee.strategy.plan_checks.running_plan`)."""
+        return running_plan(
+            self.stage_part,
+            num_replicas=self.num_replicas,
+            last_step_samples=self.last_step_samples,
+            global_batch_size=self._global_batch_size,
         )
 
-    def _initial_plan(self, fitting: bool) -> Plan:
-        """The layout setup builds (:func:`initial_plan`); validate/test after fit keep the
-        layout that trained (re-planned or not)."""
-        assert self.spec is not None
-        if self.plan is not None and not fitting:
-            return self.plan
-        plan, alternatives = initial_plan(
-            self.plan_arg,
-            manual=self._manual,
-            blocks=self.spec.blocks,
+    def check_plan(self, plan: Plan) -> None:
+        """Raise unless ``plan`` can replace the running layout (the checks of :meth:`apply_plan`,
+        :func:`~lightning_deepcee.strategy.plan_checks.check_replacement`); local, so every rank
+        raises alike before any collective."""
+        check_replacement(
+            plan,
+            self.stage_part,
+            set_up=self.lightning_module is not None,
             world_size=self.world_size,
+            num_replicas=self.num_replicas,
             cluster_profile=self.cluster_profile,
-            global_batch_size=self._global_batch_size,
-            device_gain=self.device_gain,
         )
-        if alternatives is not None:
-            self.plan_alternatives = alternatives
-        return plan
+
+    def apply_plan(self, plan: Plan, trainer: pl.Trainer, why: str = "re-planned") -> None:
+        """Switch to ``plan`` between two steps: move blocks, with their optimizer state, live.
+
+        Every rank calls it together, at a step boundary (a callback's ``on_train_batch_end`` or
+        ``on_train_start``); it must finish within ``timeout_s``. Exact: the next step computes
+        the same whole-batch gradient under any layout. ``why`` opens rank 0's log line. How:
+        :func:`~lightning_deepcee.strategy.layout_build.relayout_from`.
+        """
+        assert self.plan is not None
+        relayout_from(self, self.plan, lambda: live_shard(self), plan, trainer, why)
+
+    # ------------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This stage's weights, without tied parameters another stage saves (kept once)."""
+        module = self.lightning_module
+        assert module is not None
+        return self.stage_part.owned_state_dict(module.state_dict(), self.where.stage_index)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError("DeepCEEStrategy.save_checkpoint does not take storage_options.")
+        self.checkpointer.save(
+            checkpoint,
+            Path(filepath),
+            self.stage_part,
+            self.optimizers,
+            world_size=self.world_size,
+            hosts=self._hosts,
+            trainer=self._trainer(),
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: PATH, weights_only: bool | None = None) -> dict:
+        return self.checkpointer.load(
+            Path(checkpoint_path), self.stage_part, self.optimizers, hosts=self._hosts
+        )
+
+    @override
+    def remove_checkpoint(self, filepath: PATH) -> None:
+        self.checkpointer.remove(Path(filepath), rank=self.global_rank, world_size=self.world_size)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Loaders that resume mid-epoch and stand in on idle ranks (:func:`resumable_loader`)."""
+        return resumable_loader(dataloader, self._trainer(), lambda: self.is_idle)
 
     # ----------------------------------------------------------------------------- steps
     def _run(self, kind: str, batch: Any, prefix: str) -> torch.Tensor:
-        """Run one step (:meth:`run_schedule` of ``kind``); log and return the whole batch's loss
-        on every rank.
-
-        The loss and the module's ``metrics_fn`` metrics travel in one all-reduce (each rank
-        holds its rows' weighted share; :mod:`~lightning_deepcee.runtime.step_figures`), posted
-        before the schedule by every rank outside the last stage; every rank logs them as
-        ``<prefix>_loss`` and ``<prefix>_<name>``, so whichever rank writes the logs has them.
-        An idle rank (no executor) computes nothing and adds zeros.
-        """
-        total = batch_size_of(batch)
-        figures = self._figures
-        early = figures.names is not None and self.global_rank not in self.placement[-1]
-        pending = self._post_figures(batch, None, {}) if early else None
-        loss = self.run_schedule(kind, batch)
-        if pending is None:
-            executor = self._executor if kind == "train" else self._eval_executor
-            mine = {} if executor is None else executor.last_metrics
-            figures.agree_names(mine)
-            pending = self._post_figures(batch, loss, mine)
-        summed = pending()  # the last-stage devices each contribute their rows
-        self.last_step_samples = total * self.num_replicas
-        tokens_fn = self.spec.tokens_fn if self.spec is not None else None
-        self.last_step_tokens = round(summed[1].item()) if tokens_fn else None
+        """One step of ``kind`` run and logged (:class:`StepLog`)."""
         module = self.lightning_module
-        assert module is not None and figures.names is not None
-        training = prefix == "train"
-        value = summed[0].float()
-        module.log(f"{prefix}_loss", value, prog_bar=True, on_step=training, on_epoch=True)
-        for name, metric in zip(figures.names, summed[2:].float(), strict=True):
-            module.log(f"{prefix}_{name}", metric, on_step=training, on_epoch=True)
-        return value
-
-    def _post_figures(
-        self, batch: Any, loss: torch.Tensor | None, metrics: dict[str, Any]
-    ) -> Callable[[], torch.Tensor]:
-        """Post this rank's part of the step's figures; the callable waits for the sum."""
-        tokens_fn = self.spec.tokens_fn if self.spec is not None else None
-        # Tokens from each replica's first device (an idle rank's batch is a stand-in).
-        first = self.global_rank in self.placement[0][: self.num_replicas]
-        tokens = float(tokens_fn(batch)) if tokens_fn is not None and first else 0.0
-        return self._figures.post(loss, tokens, metrics, self.root_device)
+        assert module is not None
+        return self.step_log.run(
+            self.stage_part,
+            kind,
+            batch,
+            prefix,
+            module=module,
+            rank=self.global_rank,
+            device=self.root_device,
+        )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        assert self.stage is not None
-        params = self.stage.parameters()
         # With accumulate_grad_batches > 1 the parameters hold the earlier batches' sum: set it
         # aside so the schedule's gradients are this batch's alone, and put it back below.
-        held = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        held = self.stage_part.set_aside_gradients()
         start = time.perf_counter()
         batch = args[0] if args else kwargs["batch"]
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer()
         if trainer is not None:  # a stand-in, on a rank a re-plan has just made active
             batch = real_batch(trainer.train_dataloader, batch, self.is_idle, self.batch_to_device)
-        with self._failures_named():
+        with self._failures.named(self.where.stages):
             loss = self._run("train", batch, "train")
-            synced = self.sync_copies()  # 0 when no copy of this stage's parameters lives elsewhere
+            synced = self.stage_part.sync_copies()  # 0 when no copy lives elsewhere
         # Lightning zeroes gradients between training_step and backward: keep them aside.
-        self._pending_grads = [p.grad for p in params]
-        for p, g in zip(params, held, strict=True):
-            p.grad = g
-        self.last_step_stats = self._executor.last_stats if self._executor else StepStats()
+        self._pending_grads = self.stage_part.swap_gradients(held)
+        executor = self.stage_part.executor("train")
+        self.last_step_stats = executor.last_stats if executor else StepStats()
         self.last_step_stats.wall_s = time.perf_counter() - start
         self.last_step_stats.grad_sync_s = synced
         return loss
 
-    def _describe_rank(self, rank: int) -> str:
-        stages = [s for s, ranks in enumerate(self.placement) if rank in ranks]
-        where = f"stage {stages[0]}" if stages else "idle"
-        host = self._hosts[rank] if rank < len(self._hosts) else "?"
-        return f"rank {rank} ({where}, host {host})"
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.checkpointer.begin_step(self._trainer(), self.is_global_zero)
 
-    @contextmanager
-    def _failures_named(self) -> Iterator[None]:
-        """Say who failed. A rank's own error is posted in the store before it propagates; a
-        failed transfer or collective is explained by another rank's posted error, or else by
-        the heartbeats (a lost device)."""
-        try:
-            yield
-        except Exception as exc:
-            if is_communication_failure(exc):
-                raise self._lost_device_error(exc) from exc
-            store = default_store()
-            if self._heartbeat is not None and store is not None:
-                report_failure(store, self.global_rank, exc)
-            raise
-
-    def _lost_device_error(self, cause: Exception) -> RuntimeError:
-        """Name the rank whose own error stopped the step or, failing that, the lost device from
-        the heartbeats (blocks ``LIVENESS_WAIT_S``)."""
-        store = default_store() if self._heartbeat is not None else None
-        error = explain_failure(
-            cause,
-            store=store,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            describe=self._describe_rank,
-            wait_s=LIVENESS_WAIT_S,
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Leave a failure record beside the checkpoints for the run that resumes."""
+        super().on_exception(exception)
+        self.checkpointer.record_failure(
+            exception, self._trainer(), rank=self.global_rank, hosts=self._hosts
         )
-        print_everywhere(f"[rank {self.global_rank}] {error}")
-        return error
 
     @override
     def on_train_start(self) -> None:
@@ -486,14 +534,13 @@ class DeepCEEStrategy(ElasticStrategy):
     @override
     def on_train_end(self) -> None:
         self._gc.unfreeze()
+        self.checkpointer.wait()  # the last save is complete when fit returns
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
         self._gc.unfreeze()
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
+        self._failures.stop()
         super().teardown()
 
     @override
@@ -501,46 +548,41 @@ class DeepCEEStrategy(ElasticStrategy):
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
         module = self.lightning_module
-        assert module is not None and self.stage is not None
+        assert module is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         # Lightning divides the loss by accumulate_grad_batches before backward: the gradients
         # computed in training_step are divided the same way, then summed over the batches.
-        accumulate = module.trainer.accumulate_grad_batches
         if self._pending_grads is not None:
-            for p, g in zip(self.stage.parameters(), self._pending_grads, strict=True):
-                if g is not None:
-                    g = g if accumulate == 1 else g / accumulate
-                    p.grad = g if p.grad is None else p.grad + g
+            accumulate = module.trainer.accumulate_grad_batches
+            self.stage_part.add_gradients(self._pending_grads, accumulate)
             self._pending_grads = None
         return self.precision_plugin.post_backward(closure_loss, module)
 
-    def _eval_step(self, name: str, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with torch.no_grad(), self._failures_named():
-            loss = self._run("eval", args[0] if args else kwargs["batch"], name)
-        return loss
-
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._eval_step("val", *args, **kwargs)
+        with torch.no_grad(), self._failures.named(self.where.stages):
+            return self._run("eval", args[0] if args else kwargs["batch"], "val")
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._eval_step("test", *args, **kwargs)
+        with torch.no_grad(), self._failures.named(self.where.stages):
+            return self._run("eval", args[0] if args else kwargs["batch"], "test")
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's own ``predict_step``, with the pipeline's output for the batch standing
         in for ``forward``; every rank returns it (``trainer.predict`` gives rank 0's)."""
-        assert self.spec is not None
+        module, spec = self.lightning_module, self.spec
+        assert module is not None and spec is not None
         batch = args[0] if args else kwargs["batch"]
-        with torch.no_grad(), self._failures_named():
-            self.run_schedule("predict", batch)
-            executor = self._predict_executor  # an idle rank has nothing to add
-            output = self._gathered_output([] if executor is None else executor.last_outputs)
-        module = self.lightning_module
-        assert module is not None
+        with (
+            torch.no_grad(),
+            self._failures.named(self.where.stages),
+        ):
+            self.stage_part.run("predict", batch)
+            output = self.stage_part.gathered_output(self.world_size)
         return call_with_output(
-            module, output, batch, self.spec.input_fn, module.predict_step, *args, **kwargs
+            module, output, batch, spec.input_fn, module.predict_step, *args, **kwargs
         )
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from lightning_deepcee.planner import Plan
-from lightning_deepcee.runtime.layout import ManualLayout
+from lightning_deepcee.runtime.manual_layout import ManualLayout
 from lightning_deepcee.runtime.stage import IDLE
 
 __all__ = ["Placement"]
@@ -49,6 +49,15 @@ class Placement:
             rank=rank,
             idle=False,
         )
+
+    @classmethod
+    def of_running(
+        cls, plan: Plan | None, manual: ManualLayout, world_size: int, rank: int
+    ) -> Placement:
+        """In ``plan`` once set-up has made one, else in the manual layout's arguments."""
+        if plan is not None:
+            return cls.of_plan(plan, rank)
+        return cls.of_manual(manual, world_size, rank)
 
     @property
     def num_stages(self) -> int:

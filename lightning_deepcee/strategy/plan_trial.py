@@ -6,11 +6,13 @@ micro-batch count; ``plan_search(alternatives=...)``) and the near layouts (bloc
 moved; :func:`~lightning_deepcee.planner.rivals.choose_rivals`), each run a few
 whole pipeline steps on the first training batch, forward and backward, no optimizer step; the
 fastest by the clock is built for training. A rival is built from the copies of the blocks each
-rank already holds (``build_for_timing``): no state crosses the links, since a step's time
-depends on the layout and the shapes, not on the weights' values. The first device of each of
-the searched plan's stages keeps its part of the training state meanwhile, and the plan that
-trains receives it from there (``relayout_from``, the re-plan path): exact, so the weights
-training starts from are the ones the searched plan would have started from.
+rank already holds (``layout_build.build_for_timing``): no state crosses the links, since a
+step's time depends on the layout and the shapes, not on the weights' values. The first device
+of each of the searched plan's stages keeps its part of the training state meanwhile, and the
+plan that trains receives it from there (``layout_build.relayout_from``, the re-plan path):
+exact, so the weights training starts from are the ones the searched plan would have started
+from. Each timed step is the stage part's one step function
+(:meth:`~lightning_deepcee.strategy.stage_part.PipelineStagePart.run`).
 
 Nothing of a trial step stays: gradients are dropped, the random number generators are put back
 (dropout draws and the data loader's shuffle are as without a trial), and a model whose buffers
@@ -35,68 +37,48 @@ from lightning_deepcee._compat import fit_dataloader
 from lightning_deepcee.planner import Plan
 from lightning_deepcee.planner.rivals import RIVAL_WITHIN, choose_rivals, pick_timed
 from lightning_deepcee.profiler import ClusterProfile
-from lightning_deepcee.runtime import PipelineSpec, Stage
-from lightning_deepcee.runtime.layout import batch_dependent_modules, layout_line
+from lightning_deepcee.runtime.batch_statistics import batch_dependent_modules
+from lightning_deepcee.runtime.layout_text import layout_line
 from lightning_deepcee.runtime.transport import all_reduce_
+from lightning_deepcee.strategy.layout_build import (
+    BuildHost,
+    build_for_timing,
+    live_shard,
+    relayout_from,
+)
 
 __all__ = ["TRIAL_STEPS", "TrialStrategy", "trial_plans"]
-
-ShardSource = Callable[[], dict[str, Any]]
-"""Gives this stage's part of the training state (a checkpoint shard) when called."""
 
 TRIAL_STEPS = 3
 """Timed steps per candidate, after one untimed step (its first transfers set up connections
 and allocate buffers)."""
 
 
-class TrialStrategy(Protocol):
+class TrialStrategy(BuildHost, Protocol):
     """What the plan trial uses of the strategy (``DeepCEEStrategy`` provides it): the running
-    plan and what the search found, the one step function, and the re-layout calls."""
+    plan and what the search found, and what building a layout uses (its stage part, whose one
+    step function the trial times, and Lightning's own API)."""
 
-    plan: Plan | None
-    spec: PipelineSpec | None
-    stage: Stage | None
     cluster_profile: ClusterProfile | None
     plan_alternatives: list[Plan]
     device_gain: float
 
     @property
+    def plan(self) -> Plan | None: ...
+
+    @property
     def is_global_zero(self) -> bool: ...
-
-    @property
-    def writes_shard(self) -> bool: ...
-
-    @property
-    def root_device(self) -> torch.device: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def lightning_module(self) -> pl.LightningModule | None: ...
 
     def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
     def batch_to_device(self, batch: Any, device: torch.device | None = ...) -> Any: ...
 
-    def live_shard(self) -> dict[str, Any]: ...
-
-    def run_schedule(self, kind: str, batch: Any) -> torch.Tensor | None: ...
-
-    def sync_copies(self) -> float: ...
-
-    def build_for_timing(self, plan: Plan, trainer: pl.Trainer) -> None: ...
-
-    def relayout_from(
-        self, source: Plan, shard_of: ShardSource, plan: Plan, trainer: pl.Trainer, why: str
-    ) -> None: ...
-
 
 def trial_plans(strategy: TrialStrategy, trainer: pl.Trainer, count: int) -> Plan:
     """Time the running (searched) plan and up to ``count - 1`` rivals; build the fastest and
     return it. Collective: every rank calls it right after the searched plan is built."""
-    plan = strategy.plan
-    assert plan is not None and strategy.spec is not None
+    plan, part = strategy.plan, strategy.stage_part
+    assert plan is not None and part.spec is not None
     if count < 2 or strategy.cluster_profile is None:
         return plan
     found: list[dict[str, Any]] = []
@@ -112,7 +94,7 @@ def trial_plans(strategy: TrialStrategy, trainer: pl.Trainer, count: int) -> Pla
             "the searched plan; it runs untimed"
         )
         return plan
-    stateful = batch_dependent_modules(strategy.spec.blocks)
+    stateful = batch_dependent_modules(part.spec.blocks)
     if stateful:
         first = stateful[0]
         rank_zero_info(
@@ -122,14 +104,14 @@ def trial_plans(strategy: TrialStrategy, trainer: pl.Trainer, count: int) -> Pla
         return plan
     rng = _rng_state()
     # The training state of the searched layout, kept while rivals run on copies of the blocks.
-    saved = strategy.live_shard() if strategy.writes_shard else None
+    saved = live_shard(strategy) if part.where.writes_shard else None
     try:
         batch = strategy.batch_to_device(next(iter(fit_dataloader(trainer))))
         candidates = [plan, *rivals]
         timed: list[float] = []
         for index, candidate in enumerate(candidates):
             if index:
-                strategy.build_for_timing(candidate, trainer)
+                build_for_timing(strategy, candidate, trainer)
             step_s = _time_steps(strategy, batch)
             if step_s is None:
                 rank_zero_info(
@@ -143,7 +125,7 @@ def trial_plans(strategy: TrialStrategy, trainer: pl.Trainer, count: int) -> Pla
         best = 0 if stopped else pick_timed(candidates, timed, strategy.device_gain)
         if len(timed) > 1:  # a rival was built: the training state goes where it trains
             why = "plan trial: the fastest" if best else "plan trial: the searched plan"
-            strategy.relayout_from(plan, _saved(saved), candidates[best], trainer, why)
+            relayout_from(strategy, plan, _saved(saved), candidates[best], trainer, why)
     finally:
         _set_rng_state(rng)
         for p in strategy.lightning_module.parameters() if strategy.lightning_module else ():
@@ -164,8 +146,9 @@ def _time_steps(strategy: TrialStrategy, batch: Any) -> float | None:
     """Median seconds of a whole pipeline step after one untimed step, the mean over ranks
     (each step ends in an all-reduce, so they differ little; every rank gets the same figure);
     ``None`` when a step changed a buffer of this stage (the buffers are put back)."""
-    assert strategy.stage is not None
-    buffers = list(dict.fromkeys(b for block in strategy.stage.blocks for b in block.buffers()))
+    stage = strategy.stage_part.stage
+    assert stage is not None
+    buffers = list(dict.fromkeys(b for block in stage.blocks for b in block.buffers()))
     kept = [b.detach().clone() for b in buffers]
     seconds = []
     for _ in range(1 + TRIAL_STEPS):
@@ -187,10 +170,11 @@ def _time_steps(strategy: TrialStrategy, batch: Any) -> float | None:
 def _step(strategy: TrialStrategy, batch: Any) -> None:
     """One training step's pipeline work (forward, backward, copies' gradient sync and the
     step's closing all-reduce) without the optimizer; gradients dropped."""
-    assert strategy.stage is not None
-    params = strategy.stage.parameters()
-    strategy.run_schedule("train", batch)
-    strategy.sync_copies()
+    part = strategy.stage_part
+    assert part.stage is not None
+    params = part.stage.parameters()
+    part.run("train", batch)
+    part.sync_copies()
     all_reduce_(torch.zeros(1, dtype=torch.float64, device=strategy.root_device))
     for p in params:
         p.grad = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -16,8 +17,15 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
+from lightning_deepcee.planner import Plan
 from lightning_deepcee.profiler import ClusterProfile, DeviceGroups
+from lightning_deepcee.runtime.batch_statistics import (
+    batch_dependent_modules,
+    batch_statistics_warning,
+)
+from lightning_deepcee.runtime.loaders import stand_in_warning
 from lightning_deepcee.runtime.measure import device_identity
 from lightning_deepcee.runtime.stage import PipelineSpec
 
@@ -27,6 +35,7 @@ __all__ = [
     "format_cluster",
     "print_everywhere",
     "summarise_whole_model",
+    "warn_at_setup",
     "warn_once_per_job",
     "warn_unrun_steps",
 ]
@@ -171,3 +180,28 @@ class SetupTimer:
         metrics = {f"deepcee/setup_{key}_s": s for key, s in self.flat().items()}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=0)
+
+
+def warn_at_setup(
+    trainer: pl.Trainer, module: pl.LightningModule, spec: PipelineSpec, plan: Plan
+) -> None:
+    """What set-up warns about the built ``plan`` (rank 0): batch statistics that the layout
+    cannot keep exact, hooks an idle rank's stand-in batches reach, steps the pipeline never
+    runs; and silence Lightning's advice to sync the losses, which are all-reduced already."""
+    batch_warning = batch_statistics_warning(
+        batch_dependent_modules(spec.blocks), plan, plan.num_microbatches, type(module).__name__
+    )
+    if batch_warning is not None:
+        rank_zero_warn(batch_warning, category=UserWarning)
+    callbacks = getattr(trainer, "callbacks", [])  # set by its connector, not declared
+    hooks_warning = stand_in_warning(plan.idle_ranks, module, callbacks)
+    if hooks_warning is not None:
+        rank_zero_warn(hooks_warning, category=UserWarning)
+    warn_unrun_steps(module, spec)
+    # train/val/test_loss are all-reduced before they are logged (every rank holds the same
+    # value), so Lightning's advice to sync them on epoch level does not apply.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"It is recommended to use `self\.log\('(train|val|test)_",
+        category=PossibleUserWarning,
+    )

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_deepcee.planner import Plan
 from lightning_deepcee.profiler import ClusterProfile
-from lightning_deepcee.runtime.layout import ManualLayout, manual_plan
+from lightning_deepcee.runtime.manual_layout import ManualLayout, manual_plan
 from lightning_deepcee.runtime.measure import model_fingerprint
 from lightning_deepcee.runtime.spread_search import spread_plan_search
 
@@ -30,11 +30,16 @@ def initial_plan(
     cluster_profile: ClusterProfile | None,
     global_batch_size: int,
     device_gain: float,
+    running: Plan | None = None,
 ) -> tuple[Plan, list[Plan] | None]:
     """The layout set-up builds and, when it was searched (``plan_arg == "auto"``), rank 0's
     alternatives for the plan trial (``None`` otherwise). ``plan_arg``: ``None`` for the manual
     layout, ``"auto"`` to search on ``cluster_profile`` (all ranks: the search is spread over
-    them), else a saved plan's path. Prints the plan unless it is the manual layout's."""
+    them), else a saved plan's path. Prints the plan unless it is the manual layout's.
+    ``running``: the layout that trained, which validate/test after fit keep (re-planned or
+    not); ``None`` while fitting."""
+    if running is not None:
+        return running, None
     fingerprint = model_fingerprint(list(blocks))
     cluster = cluster_profile.cluster_fingerprint if cluster_profile else None
     if plan_arg is None:

@@ -7,8 +7,11 @@ keeps it. It runs once, before the plan exists, on the first training micro-batc
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,7 +23,7 @@ from lightning_deepcee.runtime import PipelineSpec, batch_size_of, split_batch, 
 from lightning_deepcee.runtime.measure import profile_cluster, profile_or_load
 from lightning_deepcee.strategy.reporting import format_cluster, warn_once_per_job
 
-__all__ = ["ProfileSettings", "SetupProfile", "profile_at_setup"]
+__all__ = ["ProfileSettings", "SetupProfile", "device_cache_dir", "profile_at_setup"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,8 +38,20 @@ class ProfileSettings:
     """Rounds of block timings, each figure taken at its median."""
     block_budget_s: float | None
     """About how long each device may spend timing its blocks."""
-    device_cache_dir: str | None
-    """Where this device keeps its block timings."""
+    device_cache: str | None
+    """Where this device keeps its block timings (:func:`device_cache_dir` of the setting)."""
+
+
+def device_cache_dir(setting: str | None) -> str | None:
+    """Where this device keeps its block timings (``DeepCEEStrategy(device_cache=...)``):
+    ``"auto"`` is one directory per torchrun elastic job that can restart, else none."""
+    if setting != "auto":
+        return setting
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if not run_id or run_id == "none" or restarts < 1:  # no restart can reuse it
+        return None
+    return str(Path(tempfile.gettempdir()) / f"deepcee-devices-{run_id}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,7 +87,7 @@ def profile_at_setup(
         device=device,
         budget_s=settings.budget_s,
         rounds=settings.rounds,
-        device_cache=settings.device_cache_dir,
+        device_cache=device_cache_dir(settings.device_cache),
         block_budget_s=settings.block_budget_s,
         parts=parts,
     )

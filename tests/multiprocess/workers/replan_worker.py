@@ -136,7 +136,7 @@ def _callbacks(cfg: dict[str, Any]) -> list[pl.Callback]:
 def _save_state(trainer: pl.Trainer, model: TinyNet, path: Path) -> None:
     """Parameters, Adam state and learning rate per global parameter name, plus what happened."""
     strategy: Any = trainer.strategy
-    names = strategy._optimizer_param_names()[0]
+    names = strategy.stage_part.optimizer_param_names(strategy.optimizers)[0]
     state = strategy.optimizers[0].state_dict()  # {} on a rank the plan left idle
     index_lr = [(i, g["lr"]) for g in state.get("param_groups", []) for i in g["params"]]
     adam = {

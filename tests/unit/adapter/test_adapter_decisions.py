@@ -188,9 +188,9 @@ class _Strategy(DeepCEEStrategy):
 
     def __init__(self, profile: ClusterProfile | None) -> None:
         super().__init__()
-        self.plan = _plan()
+        self.stage_part.plan = _plan()
         self.cluster_profile = profile
-        self.num_microbatches = self.plan.num_microbatches
+        self.stage_part.num_microbatches = self.stage_part.plan.num_microbatches
         self.moves: list[Plan] = []
 
     @property
@@ -198,11 +198,11 @@ class _Strategy(DeepCEEStrategy):
         return 1
 
     def set_num_microbatches(self, num_microbatches: int) -> None:
-        self.num_microbatches = num_microbatches
+        self.stage_part.num_microbatches = num_microbatches
 
     def apply_plan(self, plan: Plan, trainer: Any) -> None:
         self.moves.append(plan)
-        self.plan, self.num_microbatches = plan, plan.num_microbatches
+        self.stage_part.plan, self.stage_part.num_microbatches = plan, plan.num_microbatches
 
 
 @functools.cache

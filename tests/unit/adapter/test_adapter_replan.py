@@ -35,7 +35,7 @@ from lightning_deepcee.adapter.search_process import SearchProcess
 from lightning_deepcee.callbacks import replanner as replanning
 from lightning_deepcee.planner import Plan, StagePlan, plan_search, predict_plan
 from lightning_deepcee.profiler import ClusterProfile, DeviceProfile
-from lightning_deepcee.runtime import build_stage, get_pipeline_spec
+from lightning_deepcee.runtime import build_stage
 from lightning_deepcee.runtime.measure import model_fingerprint
 from tests.helpers.plans import hand_plan
 
@@ -219,7 +219,7 @@ def _profiled_adapter() -> tuple[DynamicEnvironmentAdapter, DeepCEEStrategy, Any
     """An adapter over a profiled 3-device data-parallel plan, at step 30 (world of one)."""
     strategy = DeepCEEStrategy(schedule="1f1b", num_microbatches=2)
     strategy.cluster_profile = _profile()
-    strategy.plan = _dp_plan((0, 1, 2))
+    strategy.stage_part.plan = _dp_plan((0, 1, 2))
     trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=30)
     adapter = DynamicEnvironmentAdapter()
     adapter.split_state.base_microbatches = 2
@@ -333,7 +333,7 @@ def test_the_floor_is_setups_plan_on_setups_profile_and_survives_a_resume() -> N
     assert restored.replanner.floor_s == floor
     manual = DeepCEEStrategy(schedule="1f1b", num_microbatches=2)
     manual.cluster_profile = _profile()
-    manual.plan = dataclasses.replace(_dp_plan((0, 1, 2)), notes="manual layout")
+    manual.stage_part.plan = dataclasses.replace(_dp_plan((0, 1, 2)), notes="manual layout")
     assert _setup_floor(manual) is None  # a hand-made layout is no floor
 
 
@@ -372,9 +372,10 @@ def _set_up(strategy: DeepCEEStrategy, world_size: int) -> _Net:
     strategy.cluster_environment.set_world_size(world_size)
     model = _Net()
     strategy._lightning_module = model
-    strategy.spec = get_pipeline_spec(model)
-    strategy.ranges = [(0, 6)]
-    strategy.stage = build_stage(model, strategy.spec, strategy.ranges, 0)
+    part = strategy.stage_part
+    part.adopt(model)
+    assert part.spec is not None
+    part.stage = build_stage(model, part.spec, [(0, 6)], 0)
     return model
 
 

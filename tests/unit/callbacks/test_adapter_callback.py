@@ -48,8 +48,8 @@ class _Rank2(DeepCEEStrategy):
 
     def __init__(self, records: list[TransferRecord]) -> None:
         super().__init__()
-        self.plan = _plan()
-        self.num_microbatches = 2
+        self.stage_part.plan = _plan()
+        self.stage_part.num_microbatches = 2
         self._records = records
 
     @property
@@ -69,7 +69,7 @@ class _Rank2(DeepCEEStrategy):
         return self._records
 
     def set_num_microbatches(self, num_microbatches: int) -> None:
-        self.num_microbatches = num_microbatches
+        self.stage_part.num_microbatches = num_microbatches
 
 
 def test_one_all_reduce_carries_the_pairs_wire_time_step_time_and_proposals(

@@ -53,7 +53,7 @@ class _Run:
         self.now = 0.0
         monkeypatch.setattr(callbacks_module, "time", SimpleNamespace(perf_counter=self._clock))
         self.strategy = _Strategy(schedule="1f1b", num_microbatches=4)
-        self.strategy.plan = plan
+        self.strategy.stage_part.plan = plan
         self.logger = _Logger()
         self.trainer: Any = SimpleNamespace(
             strategy=self.strategy,
@@ -70,7 +70,7 @@ class _Run:
     def step(self, seconds: float, samples: int = 16) -> dict[str, float]:
         self.monitor.on_train_batch_start(self.trainer, None, None, 0)  # type: ignore[arg-type]
         self.now += seconds
-        self.strategy.last_step_samples = samples
+        self.strategy.step_log.samples = samples
         self.trainer.global_step += 1
         self.monitor.on_train_batch_end(self.trainer, None, None, None, 0)  # type: ignore[arg-type]
         return self.logger.rows[-1]
@@ -98,16 +98,16 @@ def test_a_split_or_a_replan_restarts_the_comparison(monkeypatch: pytest.MonkeyP
     run.step(0.5)
     assert run.step(0.5)["deepcee/cost_model_error"] == pytest.approx(0.0)
     # The adapter splits micro-batches: the plan no longer describes what runs.
-    run.strategy.num_microbatches = 8
+    run.strategy.stage_part.num_microbatches = 8
     row = run.step(0.8)
     assert "deepcee/cost_model_error" not in row and "deepcee/predicted_step_s" not in row
     assert row["deepcee/step_s"] == pytest.approx(1.8 / 3)
     # Merged again: the step of the change is skipped, then only the new steps count.
-    run.strategy.num_microbatches = 4
+    run.strategy.stage_part.num_microbatches = 4
     assert "deepcee/cost_model_error" not in run.step(2.0)
     assert run.step(0.25)["deepcee/cost_model_error"] == pytest.approx(1.0)
     # A re-plan to another prediction: compared afresh, again after one skipped step.
-    run.strategy.plan = _plan(predicted_s=0.3)
+    run.strategy.stage_part.plan = _plan(predicted_s=0.3)
     assert "deepcee/cost_model_error" not in run.step(2.0)
     row = run.step(0.6)
     assert row["deepcee/predicted_step_s"] == pytest.approx(0.3)

@@ -16,7 +16,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 
 from lightning_deepcee import DeepCEEStrategy
 from lightning_deepcee._compat import default_store
-from lightning_deepcee.strategy.elastic import START_TIMEOUT_S
+from lightning_deepcee.strategy.deepcee import START_TIMEOUT_S
 
 
 def _strategy(timeout_s: float) -> DeepCEEStrategy:

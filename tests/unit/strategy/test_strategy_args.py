@@ -8,16 +8,16 @@ from lightning_deepcee import DeepCEEStrategy
 
 
 def test_profile_rounds_default_and_bad_values() -> None:
-    assert DeepCEEStrategy().profile_rounds == 3
-    assert DeepCEEStrategy(profile_rounds=1).profile_rounds == 1
+    assert DeepCEEStrategy().profile_settings.rounds == 3
+    assert DeepCEEStrategy(profile_rounds=1).profile_settings.rounds == 1
     for bad in (0, -2, True, 2.5, "3"):
         with pytest.raises(ValueError, match=rf"profile_rounds={bad!r}\) must be an integer >= 1"):
             DeepCEEStrategy(profile_rounds=bad)  # type: ignore[arg-type]
 
 
 def test_profile_block_budget_default_none_and_bad_values() -> None:
-    assert DeepCEEStrategy().profile_block_budget_s == 20.0
-    assert DeepCEEStrategy(profile_block_budget_s=None).profile_block_budget_s is None
+    assert DeepCEEStrategy().profile_settings.block_budget_s == 20.0
+    assert DeepCEEStrategy(profile_block_budget_s=None).profile_settings.block_budget_s is None
     for bad in (0.0, -5.0):
         with pytest.raises(ValueError, match=r"profile_block_budget_s=.*must be > 0"):
             DeepCEEStrategy(profile_block_budget_s=bad)

@@ -1,17 +1,12 @@
-"""Manual layouts become Plans (runtime.layout.manual_plan): one shape for every layout."""
+"""Manual layouts become Plans (runtime.manual_layout.manual_plan): one shape for every layout."""
 
 from __future__ import annotations
 
 import pytest
 
 from lightning_deepcee.planner import Plan
-from lightning_deepcee.runtime.layout import (
-    ManualLayout,
-    batch_dependent_modules,
-    batch_statistics_warning,
-    manual_plan,
-    stage_layouts,
-)
+from lightning_deepcee.runtime.executors import stage_layouts
+from lightning_deepcee.runtime.manual_layout import ManualLayout, manual_plan
 
 
 def _plan(layout: ManualLayout, world_size: int, blocks: int = 6) -> Plan:
@@ -114,21 +109,3 @@ def test_stages_without_trainable_parameters_are_refused_or_avoided() -> None:
     assert [st.block_range for st in plan.stages] == [(0, 3), (3, 4)]
     with pytest.raises(ValueError, match="no trainable parameters"):
         manual_plan(ManualLayout(), world_size=3, block_weights=weights, model_fingerprint="m")
-
-
-def test_batch_norm_is_found_and_the_warning_says_what_to_do() -> None:
-    import torch
-    from torch import nn
-
-    blocks = [nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.ReLU()]
-    found = batch_dependent_modules(blocks)
-    assert [(m.block_index, m.name, m.kind) for m in found] == [(1, "1", "BatchNorm1d")]
-    assert batch_dependent_modules([nn.LayerNorm(4), nn.GroupNorm(2, 4)]) == []
-    one = _plan(ManualLayout(num_microbatches=1), world_size=3, blocks=3)
-    assert batch_statistics_warning(found, one, 1, "Net") is None  # exact: whole batches
-    text = batch_statistics_warning(found, one, 4, "Net")
-    assert text is not None and "Net normalises over the batch in block 1 (1, BatchNorm1d)" in text
-    assert "GroupNorm or LayerNorm" in text and "num_microbatches=1" in text
-    shared = _plan(ManualLayout(num_stages=1, num_microbatches=1), world_size=2, blocks=3)
-    assert batch_statistics_warning(found, shared, 1, "Net") is not None  # rows split by device
-    assert isinstance(found[0].module, torch.nn.BatchNorm1d)

@@ -23,10 +23,10 @@ import torch.distributed as dist
 
 from lightning_deepcee.runtime.transport import start_all_reduce
 
-__all__ = ["StepFigures"]
+__all__ = ["StepTotals"]
 
 
-class StepFigures:
+class StepTotals:
     """Sums ``[loss, tokens, *metrics]`` over every rank, one step at a time."""
 
     def __init__(self) -> None:
@@ -55,7 +55,7 @@ class StepFigures:
         waits and returns ``[loss, tokens, *metrics]`` summed over every rank. Every rank posts
         exactly once per step, after :meth:`agree_names` has run."""
         if self.names is None:
-            raise RuntimeError("StepFigures.post before the ranks agreed on the metric names")
+            raise RuntimeError("StepTotals.post before the ranks agreed on the metric names")
         shares = [float(metrics.get(name, 0.0)) for name in self.names]
         figures = torch.tensor([0.0, float(tokens), *shares], dtype=torch.float64, device=device)
         if loss is not None:

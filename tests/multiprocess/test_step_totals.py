@@ -1,4 +1,4 @@
-"""StepFigures over gloo: ranks that post before their work and ranks that post after it get the
+"""StepTotals over gloo: ranks that post before their work and ranks that post after it get the
 same sums, and pipeline messages on the default group pass while a sum is pending."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_deepcee.runtime.step_figures import StepFigures
+from lightning_deepcee.runtime.step_totals import StepTotals
 
 pytestmark = pytest.mark.multiprocess
 
@@ -23,7 +23,7 @@ STEPS = 3
 def _worker(rank: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
-    figures = StepFigures()
+    figures = StepTotals()
     last = rank == WORLD - 1
     sums: list[list[float]] = []
     waited: list[float] = []
@@ -71,4 +71,4 @@ def test_early_and_late_posts_sum_alike(tmp_path: Path) -> None:
 
 def test_post_needs_the_names_first() -> None:
     with pytest.raises(RuntimeError, match="agreed on the metric names"):
-        StepFigures().post(None, 0.0, {}, torch.device("cpu"))
+        StepTotals().post(None, 0.0, {}, torch.device("cpu"))
