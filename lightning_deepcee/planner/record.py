@@ -55,11 +55,16 @@ def plan_timeline(plan: Plan, profile: ClusterProfile, path: str | os.PathLike[s
         + ", ".join(profile.devices[r].host for r in st.ranks)
         for s, st in enumerate(plan.stages)
     }
-    title = f"{plan.schedule}, {plan.num_microbatches} micro-batches"
+    result = simulate_plan(plan, profile)
+    rest = plan.predicted_step_time_s - result.step_time_s
+    title = (
+        f"{plan.schedule}, {plan.num_microbatches} micro-batches: predicted step "
+        f"{plan.predicted_step_time_s * 1e3:.2f} ms = pipeline + {rest * 1e3:.2f} ms of "
+        "all-reduce, optimizer and CPU quota"
+    )
     if plan.idle_ranks:
-        idle = ", ".join(profile.devices[r].host for r in plan.idle_ranks)
-        title += f"; idle: {idle}"
-    plot_timeline(simulate_plan(plan, profile), path, title=title, row_labels=labels)
+        title = f"idle: {', '.join(profile.devices[r].host for r in plan.idle_ranks)}\n{title}"
+    plot_timeline(result, path, title=title, row_labels=labels)
 
 
 def format_device_sets(

@@ -2,9 +2,10 @@
 
 Rows are labelled by ``row_labels`` (e.g. the stage and its devices) or by rank; every box long
 enough to hold text names its action and micro-batch (``F3``, ``W0``); the title always ends
-with the step time and bubble fraction. Colours: F blue, B green, W orange, BW teal; transfers
-are thin grey bars along the bottom of the sending rank's row. matplotlib is optional and
-imported only when a plot is drawn (``pip install matplotlib``).
+with the simulated pipeline's time (in ms, as the plan table prints) and bubble fraction.
+Colours: F blue, B green, W orange, BW teal; transfers are thin grey bars along the bottom of
+the sending rank's row. matplotlib is optional and imported only when a plot is drawn
+(``pip install matplotlib``).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def plot_timeline(
         ax.invert_yaxis()
         ax.set_xlim(0, step)
         ax.set_xlabel("seconds")
-        figures = f"step {result.step_time_s:.4g} s, bubble {result.bubble_ratio:.1%}"
+        figures = f"pipeline {result.step_time_s * 1e3:.2f} ms, bubble {result.bubble_ratio:.1%}"
         ax.set_title(f"{title}: {figures}" if title else figures)
         handles = [Patch(color=c, label=k.value) for k, c in _COLOURS.items()]
         handles.append(Patch(color=_TRANSFER_COLOUR, label="transfer"))

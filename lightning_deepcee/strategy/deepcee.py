@@ -69,7 +69,7 @@ from lightning_deepcee.strategy.reporting import (
     summarise_whole_model,
     warn_at_setup,
 )
-from lightning_deepcee.strategy.setup_plan import initial_plan
+from lightning_deepcee.strategy.setup_plan import initial_plan, save_setup_record
 from lightning_deepcee.strategy.setup_profile import ProfileSettings, profile_at_setup
 from lightning_deepcee.strategy.stage_part import PipelineStagePart
 from lightning_deepcee.strategy.step_log import StepLog
@@ -364,7 +364,7 @@ class DeepCEEStrategy(DDPStrategy):
                 self._global_batch_size = found.global_batch_size
                 timer.detail["profile"] = found.parts
         with timer("plan"):
-            plan, alternatives = initial_plan(
+            choice = initial_plan(
                 self.plan_arg,
                 manual=self._manual,
                 blocks=spec.blocks,
@@ -374,10 +374,10 @@ class DeepCEEStrategy(DDPStrategy):
                 device_gain=self.device_gain,
                 running=None if fitting else self.plan,
             )
-            if alternatives is not None:
-                self.plan_alternatives = alternatives
+            if choice.alternatives is not None:
+                self.plan_alternatives = choice.alternatives
         with timer("build"):
-            build_layout(self, plan, trainer)
+            build_layout(self, choice.plan, trainer)
         if fitting and self.plan_arg == "auto" and self.plan_trial > 1:
             with timer("trial"):
                 trial_plans(self, trainer, self.plan_trial)
@@ -385,6 +385,7 @@ class DeepCEEStrategy(DDPStrategy):
         if fitting:
             timer.report(trainer)
             self.setup_seconds = timer.flat()
+            save_setup_record(trainer, self.plan, self.cluster_profile, choice.device_sets)
         summarise_whole_model(trainer, self.stage_part.whole_model)
         assert self.plan is not None
         warn_at_setup(trainer, module, spec, self.plan)
@@ -392,10 +393,8 @@ class DeepCEEStrategy(DDPStrategy):
     # ------------------------------------------------------------------------ re-planning
     def set_num_microbatches(self, num_microbatches: int) -> None:
         """Use ``num_microbatches`` from the next step on (all ranks must call it together).
-
         Any split gives the same gradient (rows are weighted by their share of the step), so the
-        adapter may change it between any two steps without a restart.
-        """
+        adapter may change it between any two steps without a restart."""
         self.stage_part.set_num_microbatches(num_microbatches)
 
     def current_plan(self) -> Plan:
