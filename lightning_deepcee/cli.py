@@ -1,5 +1,7 @@
-"""deepcee: plan DeepCEE pipelines offline and merge their checkpoints.
+"""deepcee: measure a cluster, plan DeepCEE pipelines offline and merge their checkpoints.
 
+deepcee profile SCRIPT [ARGS...]            run a LightningCLI training script's set-up only
+                                            (profile, plan, save the record), no training
 deepcee plan --profile P.yaml --global-batch-size B --out plan.json [--timeline plan.png]
                                             plan offline from a (measured or hand-written) profile
 deepcee consolidate CHECKPOINT_DIR OUT.pt   merge a sharded pipeline checkpoint
@@ -39,6 +41,19 @@ def _refuse_overwrite(args: argparse.Namespace) -> None:
             f"{', '.join(existing)} already exist(s); pass --force to overwrite, or choose "
             "another --out / --timeline / --trace"
         )
+
+
+def _profile(args: argparse.Namespace) -> int:
+    """``SCRIPT fit ARGS --trainer.max_steps=0`` in a child process with this environment (so
+    torchrun's variables reach it): Lightning sets up (the strategy profiles, plans and saves
+    the record) and stops before the first step."""
+    import subprocess
+
+    script = Path(args.script)
+    if not script.is_file():
+        raise FileNotFoundError(f"{script}: no such training script")
+    command = [sys.executable, str(script), "fit", *args.args, "--trainer.max_steps=0"]
+    return subprocess.run(command, check=False).returncode
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -91,6 +106,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     cons.add_argument("checkpoint", help="checkpoint directory (with meta.pt and stage_NNN.pt)")
     cons.add_argument("output", help="output file for torch.save(state_dict)")
     cons.set_defaults(func=_consolidate)
+    prof = sub.add_parser(
+        "profile",
+        help="measure the devices and links without training",
+        description="Run a LightningCLI training script (launched like training: torchrun on "
+        "every site, or Lightning's own launcher) through DeepCEEStrategy's set-up only: it "
+        "profiles every device and link, plans, and saves plan.json, profile.json, "
+        "timeline.png and why.txt in <default_root_dir>/deepcee/, then stops before the first "
+        "step. Plan again on the profile with 'deepcee plan --profile'.",
+    )
+    prof.add_argument("script", help="the training script, e.g. examples/train_gpt.py")
+    prof.add_argument(
+        "args", nargs=argparse.REMAINDER, help="its arguments, e.g. --config configs/sites.yaml"
+    )
+    prof.set_defaults(func=_profile)
     plan = sub.add_parser(
         "plan",
         help="search a plan offline from a cluster profile",

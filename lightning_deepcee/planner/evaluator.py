@@ -179,7 +179,7 @@ class Evaluator:
         per_sample = arrays.sample_s_prefix[index, end] - arrays.sample_s_prefix[index, start]
         speed = 1.0 / np.maximum(per_sample, 1e-300)
         if not bounded_by_memory:
-            return tuple(float(s) for s in speed / speed.sum())
+            return tuple((speed / speed.sum()).tolist())
         free = arrays.memory[index] - self.config.state_copies * arrays.parameter_bytes(block_range)
         if (free < 0).any():
             return None
@@ -207,7 +207,7 @@ class Evaluator:
         if remaining > 1e-9 or (shares <= 0).any():
             return None
         shares = shares / shares.sum()
-        return tuple(float(s) for s in shares)
+        return tuple(shares.tolist())
 
     def transfer_time_s(self, sender: StagePlan, receiver: StagePlan, num_bytes: float) -> float:
         """Seconds to move ``num_bytes`` (one whole micro-batch's tensor) between two stages.

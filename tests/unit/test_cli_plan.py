@@ -68,3 +68,16 @@ def test_version_and_help_read_for_users(capsys: pytest.CaptureFixture[str]) -> 
     help_text = capsys.readouterr().out
     assert f"(default: {DEVICE_GAIN})" in help_text and "(default: plan.json)" in help_text
     assert DEVICE_GAIN_DEFAULT == DEVICE_GAIN
+
+
+def test_profile_command_runs_the_script_set_up_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A stand-in script records the arguments it was started with.
+    script = tmp_path / "train.py"
+    seen = tmp_path / "argv.txt"
+    script.write_text(f"import sys; open({str(seen)!r}, 'w').write(' '.join(sys.argv[1:]))\n")
+    assert main(["profile", str(script), "--config", "c.yaml"]) == 0
+    assert seen.read_text() == "fit --config c.yaml --trainer.max_steps=0"
+    assert main(["profile", str(tmp_path / "missing.py")]) == 2
+    assert "no such training script" in capsys.readouterr().err
