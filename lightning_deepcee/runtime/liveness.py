@@ -226,6 +226,7 @@ def wait_for_ranks(
     stale_s: float = 15.0,
     limit_s: float = 1800.0,
     poll_s: float = 0.2,
+    on_arrival: Callable[[int, float], None] | None = None,
 ) -> None:
     """Count ``rank`` in at ``name`` and block until all ``world_size`` ranks are in.
 
@@ -234,7 +235,9 @@ def wait_for_ranks(
     for. Here a rank still working is waited for as long as its :class:`Heartbeat` advances; one
     whose heartbeat stands still for ``stale_s`` raises :class:`DeviceLostError` naming it. A rank
     that runs no heartbeat (its counter stays 0) is waited for up to ``limit_s``. Every rank must
-    call this with the same ``name``, once.
+    call this with the same ``name``, once. ``on_arrival(rank, seconds)``, when given, is told
+    of each rank as this one sees it arrive (about once a second; the last ones at the end),
+    with the seconds since this rank arrived: progress for a console.
     """
     key = f"{_prefix()}/arrive/{name}"
     store.set(f"{key}/{rank}", "1")
@@ -242,6 +245,14 @@ def wait_for_ranks(
     start = last_check = time.monotonic()
     beats = _beats(store, world_size)
     moved = [start] * world_size
+    told: set[int] = set()
+
+    def tell(arrived: list[int]) -> None:
+        for r in arrived:
+            if on_arrival is not None and r not in told:
+                told.add(r)
+                on_arrival(r, time.monotonic() - start)
+
     while int(store.add(key, 0)) < world_size:
         time.sleep(poll_s)
         now = time.monotonic()
@@ -252,6 +263,7 @@ def wait_for_ranks(
         moved = [now if b != a else t for a, b, t in zip(beats, latest, moved, strict=True)]
         beats = latest
         waiting = [r for r in range(world_size) if not store.check([f"{key}/{r}"])]
+        tell([r for r in range(world_size) if r not in waiting])
         lost = [r for r in waiting if beats[r] > 0 and now - moved[r] > stale_s]
         if lost or now - start > limit_s:
             raise DeviceLostError(
@@ -263,6 +275,7 @@ def wait_for_ranks(
                 ),
                 lost or None,
             )
+    tell(list(range(world_size)))
 
 
 def is_communication_failure(exc: BaseException) -> bool:

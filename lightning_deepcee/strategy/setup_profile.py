@@ -90,6 +90,7 @@ def profile_at_setup(
         device_cache=device_cache_dir(settings.device_cache),
         block_budget_s=settings.block_budget_s,
         parts=parts,
+        progress=rank_zero_info,
     )
     blocks, sample = list(spec.blocks), spec.input_fn(micro)
     budget = settings.block_budget_s
