@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_deepcee.adapter.exchange import Exchanged, pack, unpack
 from lightning_deepcee.adapter.guard import ActionGuard, GuardConfig, Verdict
 from lightning_deepcee.adapter.monitor import LinkMonitor, LinkObservation, MonitorConfig
+from lightning_deepcee.callbacks.after_step import AfterStepCallback
 from lightning_deepcee.callbacks.replanner import Replanned, Replanner, SplitState, on_one_rank
 from lightning_deepcee.callbacks.strategy_view import deepcee_strategy
 
@@ -37,7 +37,7 @@ __all__ = ["DynamicEnvironmentAdapter"]
 _STATE_VERSION = 3
 
 
-class DynamicEnvironmentAdapter(Callback):
+class DynamicEnvironmentAdapter(AfterStepCallback):
     """Follows the links at run time: acts only where the model predicts a gain, keeps only what
     the clock confirms (docs/adapter.md).
 
@@ -169,14 +169,7 @@ class DynamicEnvironmentAdapter(Callback):
             )
 
     @override
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
+    def after_train_step(self, trainer: pl.Trainer) -> None:
         strategy = _deepcee(trainer)
         if self.monitor is None:
             return

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_deepcee.callbacks.after_step import AfterStepCallback
 from lightning_deepcee.callbacks.strategy_view import deepcee_strategy
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["PipelineThroughputMonitor"]
 
 
-class PipelineThroughputMonitor(Callback):
+class PipelineThroughputMonitor(AfterStepCallback):
     """Log ``deepcee/samples_per_s``, ``deepcee/tokens_per_s`` and per-stage times.
 
     Per stage: ``stage{i}_compute_s`` (wall seconds in F/B/W), ``stage{i}_transfer_s`` (wall
@@ -87,14 +87,7 @@ class PipelineThroughputMonitor(Callback):
         self._skip_prediction_step = fresh
 
     @override
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
+    def after_train_step(self, trainer: pl.Trainer) -> None:
         strategy: DeepCEEStrategy = deepcee_strategy(trainer, "PipelineThroughputMonitor")
         self._steps += 1
         step_s = time.perf_counter() - self._start

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 from torchmetrics.functional import accuracy
 
+from lightning_deepcee.demo.base import BlockModule, TrainValDataModule
 from lightning_deepcee.runtime.stage import PipelineSpec
 
 __all__ = [
@@ -84,7 +84,7 @@ def class_accuracy(logits: torch.Tensor, batch: Any) -> torch.Tensor:
     return accuracy(logits, batch[1], task="multiclass", num_classes=logits.shape[-1])
 
 
-class ConvNet(pl.LightningModule):
+class ConvNet(BlockModule):
     """Residual CNN for ``(B, C, H, W)`` images and integer labels ``(B,)``."""
 
     def __init__(
@@ -118,29 +118,20 @@ class ConvNet(pl.LightningModule):
     def configure_pipeline(self) -> PipelineSpec:
         """The one addition DeepCEEStrategy needs: stem, residual blocks, head."""
         return PipelineSpec(
-            blocks=[self.stem, *self.layers, self.head],
+            blocks=self.sequence(),
             loss_fn=class_loss,
             # Logged as train_acc / val_acc, as validation_step logs it in one process.
             metrics_fn=lambda logits, batch: {"acc": class_accuracy(logits, batch)},
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+    def sequence(self) -> list[nn.Module]:
+        return [self.stem, *self.layers, self.head]
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = class_loss(self(batch[0]), batch)
-        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True)
-        return loss
+    def step_loss(self, logits: torch.Tensor, batch: Any) -> torch.Tensor:
+        return class_loss(logits, batch)
 
-    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        logits = self(batch[0])
-        loss = class_loss(logits, batch)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        self.log("val_acc", class_accuracy(logits, batch), prog_bar=True, sync_dist=True)
-        return loss
+    def step_accuracy(self, logits: torch.Tensor, batch: Any) -> torch.Tensor:
+        return class_accuracy(logits, batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams["learning_rate"])
@@ -174,7 +165,7 @@ def synthetic_images(
     return TensorDataset(images, labels)
 
 
-class SyntheticImageDataModule(pl.LightningDataModule):
+class SyntheticImageDataModule(TrainValDataModule[TensorDataset]):
     """Train and validation splits of :func:`synthetic_images` (different seeds)."""
 
     def __init__(
@@ -186,15 +177,12 @@ class SyntheticImageDataModule(pl.LightningDataModule):
         num_classes: int = 10,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        self.batch_size = batch_size
+        super().__init__(batch_size)
         self.num_train = num_train
         self.num_val = num_val
         self.image_size = image_size
         self.num_classes = num_classes
         self.seed = seed
-        self.train_set: TensorDataset | None = None
-        self.val_set: TensorDataset | None = None
 
     def setup(self, stage: str | None = None) -> None:
         options = dict(image_size=self.image_size, num_classes=self.num_classes)
@@ -202,11 +190,3 @@ class SyntheticImageDataModule(pl.LightningDataModule):
         # Same class patterns (same seed for them), fresh noise and labels.
         val = synthetic_images(self.num_train + self.num_val, seed=self.seed, **options)
         self.val_set = TensorDataset(*(t[self.num_train :] for t in val.tensors))
-
-    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
-        assert self.train_set is not None
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
-        assert self.val_set is not None
-        return DataLoader(self.val_set, batch_size=self.batch_size)

@@ -10,12 +10,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torchmetrics.functional import accuracy
 
+from lightning_deepcee.demo.base import BlockModule
 from lightning_deepcee.runtime.stage import PipelineSpec
 
 __all__ = ["GPT", "PIPELINE_BLOCKS", "GPTConfig", "lm_loss", "token_accuracy"]
@@ -116,7 +116,7 @@ def token_accuracy(logits: torch.Tensor, batch: Any) -> torch.Tensor:
     )
 
 
-class GPT(pl.LightningModule):
+class GPT(BlockModule):
     """Character-level GPT. Batches are ``(tokens, next_tokens)`` of shape ``(B, T)``.
 
     ``pipeline_blocks`` sets the granularity the pipeline may cut at: ``"layer"`` lists each
@@ -125,6 +125,8 @@ class GPT(pl.LightningModule):
     the planner can balance stages on devices of very different speeds more finely. The model,
     its weights and its parameter names are the same either way.
     """
+
+    val_acc_in_progress_bar = False
 
     def __init__(
         self,
@@ -167,23 +169,14 @@ class GPT(pl.LightningModule):
             metrics_fn=lambda logits, batch: {"acc": token_accuracy(logits, batch)},
         )
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+    def sequence(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = lm_loss(self(batch[0]), batch)
-        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True)
-        return loss
+    def step_loss(self, logits: torch.Tensor, batch: Any) -> torch.Tensor:
+        return lm_loss(logits, batch)
 
-    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        logits = self(batch[0])
-        loss = lm_loss(logits, batch)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        self.log("val_acc", token_accuracy(logits, batch), sync_dist=True)
-        return loss
+    def step_accuracy(self, logits: torch.Tensor, batch: Any) -> torch.Tensor:
+        return token_accuracy(logits, batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(

@@ -11,9 +11,10 @@ import importlib.util
 import re
 from pathlib import Path
 
-import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
+
+from lightning_deepcee.demo.base import TrainValDataModule
 
 __all__ = ["VOCAB", "ShakespeareDataModule", "encode", "load_shakespeare"]
 
@@ -63,7 +64,7 @@ class _Windows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return chunk[:-1], chunk[1:]
 
 
-class ShakespeareDataModule(pl.LightningDataModule):
+class ShakespeareDataModule(TrainValDataModule[_Windows]):
     """Non-overlapping windows of ``block_size`` characters; the last 10% is validation."""
 
     def __init__(
@@ -73,30 +74,12 @@ class ShakespeareDataModule(pl.LightningDataModule):
         max_chars: int | None = 1_000_000,
         num_workers: int = 0,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_size, num_workers)
         self.block_size = block_size
-        self.batch_size = batch_size
         self.max_chars = max_chars
-        self.num_workers = num_workers
-        self.train_set: _Windows | None = None
-        self.val_set: _Windows | None = None
 
     def setup(self, stage: str | None = None) -> None:
         ids = encode(load_shakespeare(self.max_chars))
         cut = int(len(ids) * 0.9)
         self.train_set = _Windows(ids[:cut], self.block_size)
         self.val_set = _Windows(ids[cut:], self.block_size)
-
-    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
-        assert self.train_set is not None
-        return DataLoader(
-            self.train_set,
-            batch_size=self.batch_size,
-            shuffle=True,
-            drop_last=True,
-            num_workers=self.num_workers,
-        )
-
-    def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
-        assert self.val_set is not None
-        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)

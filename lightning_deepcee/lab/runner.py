@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lightning_deepcee.lab.network import LabNetwork
+from lightning_deepcee.lab.topology import find_named
 from lightning_deepcee.lab.trace import DeviceEvent, Trace, TraceEvent
 
 __all__ = [
@@ -436,10 +437,7 @@ class LabControl:
         self.say(f"t={self.elapsed_s:.1f}s started {device} again (launch {dev.launches})")
 
     def _device(self, name: str) -> _Device:
-        for dev in self.devices:
-            if dev.name == name:
-                return dev
-        raise ValueError(f"unknown device {name!r}; known: {[d.name for d in self.devices]}")
+        return find_named(self.devices, name, "device")
 
     def _launch(self, dev: _Device) -> None:
         if dev.log_file is None:

@@ -27,7 +27,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from lightning_deepcee.profiler.schema import load_structured, read_yaml
 
@@ -39,8 +39,10 @@ __all__ = [
     "Topology",
     "TopologyFile",
     "WanLink",
+    "find_named",
     "latency_key_hint",
     "load_topology",
+    "read_lab_yaml",
 ]
 
 MAX_LINK_MBIT = 1000.0
@@ -138,19 +140,13 @@ class Topology:
 
     # ------------------------------------------------------------------ lookups
     def region(self, name: str) -> Region:
-        for region in self.regions:
-            if region.name == name:
-                return region
-        raise ValueError(f"unknown region {name!r}; known: {[r.name for r in self.regions]}")
+        return find_named(self.regions, name, "region")
 
     def region_index(self, name: str) -> int:
         return [r.name for r in self.regions].index(self.region(name).name)
 
     def device(self, name: str) -> Device:
-        for device in self.devices:
-            if device.name == name:
-                return device
-        raise ValueError(f"unknown device {name!r}; known: {[d.name for d in self.devices]}")
+        return find_named(self.devices, name, "device")
 
     def devices_in(self, region: str) -> tuple[Device, ...]:
         return tuple(d for d in self.devices if d.region == region)
@@ -375,13 +371,41 @@ def _unique(names: list[str], field: str) -> None:
         seen.add(name)
 
 
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+_NamedT = TypeVar("_NamedT", bound=_Named)
+
+
+def find_named(items: Sequence[_NamedT], name: str, what: str) -> _NamedT:
+    """The item called ``name``; a ValueError listing the known names of ``what`` otherwise.
+
+    One lookup for the lab's named things (regions, devices, launched commands), so that an
+    unknown name reads the same everywhere.
+    """
+    for item in items:
+        if item.name == name:
+            return item
+    raise ValueError(f"unknown {what} {name!r}; known: {[i.name for i in items]}")
+
+
+def read_lab_yaml(path: Path, what: str) -> Any:
+    """The parsed YAML at ``path``; a missing file is a ValueError naming the ``what`` file.
+
+    Topology and trace files are read alike, so that a wrong path reads the same for both.
+    """
+    try:
+        return read_yaml(path)
+    except FileNotFoundError:
+        raise ValueError(f"{what} file {str(path)!r} does not exist") from None
+
+
 def load_topology(path: str | Path) -> Topology:
     """Read and validate a topology YAML file; every error starts with the file name."""
     path = Path(path)
-    try:
-        data = read_yaml(path)
-    except FileNotFoundError:
-        raise ValueError(f"topology file {str(path)!r} does not exist") from None
+    data = read_lab_yaml(path, "topology")
     try:
         return Topology.from_dict(data, default_name=path.stem)
     except ValueError as err:

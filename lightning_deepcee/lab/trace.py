@@ -22,8 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_deepcee.lab.topology import MAX_LINK_MBIT, Topology, latency_key_hint
-from lightning_deepcee.profiler.schema import load_structured, read_yaml
+from lightning_deepcee.lab.topology import (
+    MAX_LINK_MBIT,
+    Topology,
+    latency_key_hint,
+    read_lab_yaml,
+)
+from lightning_deepcee.profiler.schema import load_structured
 
 __all__ = [
     "DEVICE_ACTIONS",
@@ -209,10 +214,7 @@ def _event(entry: Any, where: str) -> TraceEvent:
 def load_trace(path: str | Path, topology: Topology | None = None) -> Trace:
     """Read a trace YAML; with ``topology``, also check that every link exists in it."""
     path = Path(path)
-    try:
-        data = read_yaml(path)
-    except FileNotFoundError:
-        raise ValueError(f"trace file {str(path)!r} does not exist") from None
+    data = read_lab_yaml(path, "trace")
     try:
         trace = Trace.from_data(data)
         if topology is not None:

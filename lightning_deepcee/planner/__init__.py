@@ -1,4 +1,8 @@
-"""Planner (pure core): partitions, cost model, evaluator, search and the Plan."""
+"""Planner (pure core): partitions, cost model, evaluator, search and the Plan.
+
+Every module here is pure: numpy and the standard library (no torch, no lightning); the layering
+test (``tests/unit/test_layering.py``) keeps it so.
+"""
 
 from lightning_deepcee.planner.cost_model import (
     allreduce_time_s,

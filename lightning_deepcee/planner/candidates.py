@@ -10,8 +10,6 @@ It also owns the local improvement of a layout's block boundaries (:meth:`Search
 A search's costliest steps are independent calls of pure functions, mapped with a
 :class:`MapFn` (:func:`serial_map` by default); a caller with idle processes passes one that
 spreads the calls over them. A context pickles without its memos, so handing it out is cheap.
-
-Pure: numpy and the standard library (no torch, no lightning).
 """
 
 from __future__ import annotations

@@ -6,8 +6,6 @@ search: fitting costs a few greedy simulations per candidate. :func:`fit_compact
 once at the end, to the few best distinct layouts, at each micro-batch count and under the
 memory limits (one independent call per layout and count), and takes it only where it is
 predicted clearly faster. It never predicts worse than ZB-H1 or 1F1B under the same caps.
-
-Pure: numpy and the standard library (no torch, no lightning).
 """
 
 from __future__ import annotations

@@ -86,8 +86,6 @@ evaluator instead. The model, stated once:
 
 ``step_time_s = simulated pipeline + slowest stage all-reduce + optimizer``, or the CPU floor
 when that is longer. See ``docs/planner.md`` for the correspondence with DeepCEE's Eq. 1.
-
-Pure: numpy and the standard library (no torch, no lightning).
 """
 
 from __future__ import annotations

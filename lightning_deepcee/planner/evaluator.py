@@ -9,8 +9,6 @@ and the memos that repeat within a search (a group's slowest link, generated and
 schedules, in-flight counts). Both live as long as the evaluator, so two profiles never share a
 cache and a finished search frees its own. The model itself (what is charged, and why) is
 described in :mod:`lightning_deepcee.planner.cost_model`.
-
-Pure: numpy and the standard library (no torch, no lightning).
 """
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ into the arrays the cost model indexes: link matrices, per-device prefix sums of
 transient, parameters), per-device memory, optimizer rates and CPU quotas, and the network
 groups with the WAN capacity between them. An
 :class:`~lightning_deepcee.planner.evaluator.Evaluator` owns one.
-
-Pure: numpy and the standard library (no torch, no lightning).
 """
 
 from __future__ import annotations

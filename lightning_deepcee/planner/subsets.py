@@ -15,8 +15,6 @@ each a candidate only if it holds at least ``min_devices`` devices. :func:`compu
 bounds what a subset can reach, so the search skips subsets that cannot win. :func:`restrict`
 gives the profile of a subset (ranks renumbered ``0..k-1``); :func:`lift` turns a plan made on
 it back into a plan of the whole cluster whose other ranks are ``idle_ranks``.
-
-Pure: numpy and the standard library (no torch, no lightning).
 """
 
 from __future__ import annotations

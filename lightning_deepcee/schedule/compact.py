@@ -45,15 +45,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_deepcee.schedule import generators
 from lightning_deepcee.schedule.actions import Action, ActionKind
-from lightning_deepcee.schedule.generators import (
-    SCHEDULE_KINDS,
-    StageSchedule,
-    generate,
-    gpipe,
-    one_f_one_b,
-    zb_h1,
-)
+from lightning_deepcee.schedule.generators import StageSchedule
 from lightning_deepcee.schedule.lowering import lower
 from lightning_deepcee.schedule.simulate import StageCosts, simulate
 
@@ -69,7 +63,7 @@ __all__ = [
 
 F, B, W, BW = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW
 
-COST_AWARE_SCHEDULE_KINDS: tuple[str, ...] = (*SCHEDULE_KINDS, "compact")
+COST_AWARE_SCHEDULE_KINDS: tuple[str, ...] = (*generators.SCHEDULE_KINDS, "compact")
 """Kinds :func:`generate_for_costs` knows: the cost-free generators plus ``"compact"``."""
 
 _EPS = 1e-12
@@ -382,9 +376,9 @@ def compact_zero_bubble(
         )
     caps = _check_caps(max_in_flight, p, m)
     candidates: list[StageSchedule] = [
-        split_backward(one_f_one_b(p, m)),
-        zb_h1(p, m),
-        split_backward(gpipe(p, m)),
+        split_backward(generators.one_f_one_b(p, m)),
+        generators.zb_h1(p, m),
+        split_backward(generators.gpipe(p, m)),
     ]
     candidates += [_Greedy(costs, m, v).run() for v in _variants(costs, m, caps)]
     best: StageSchedule | None = None
@@ -413,10 +407,10 @@ def generate_for_costs(
     """
     if kind == "compact":
         return compact_zero_bubble(costs, num_microbatches, **kwargs)
-    if kind not in SCHEDULE_KINDS:
+    if kind not in generators.SCHEDULE_KINDS:
         raise ValueError(
             f"Unknown schedule {kind!r}; choose one of {', '.join(COST_AWARE_SCHEDULE_KINDS)}."
         )
     if kwargs:
         raise TypeError(f"schedule {kind!r} takes no options, got {sorted(kwargs)}")
-    return generate(kind, costs.num_stages, num_microbatches)
+    return generators.generate(kind, costs.num_stages, num_microbatches)

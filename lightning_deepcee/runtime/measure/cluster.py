@@ -268,7 +268,22 @@ def _cpu_quota(device: torch.device) -> tuple[float, float]:
     return share, quota.period_s
 
 
+_TIMING_FIELDS = (
+    "forward_s",
+    "backward_input_s",
+    "backward_weight_s",
+    "activation_bytes",
+    "parameter_bytes",
+    "saved_bytes",
+    "transient_bytes",
+    "fixed_s",
+    "optimizer_s_per_byte",
+)
+"""The :class:`BlockTimings` fields a :class:`DeviceProfile` takes over under the same name."""
+
+
 def _device_profile(rank: int, host: str, record: dict[str, Any]) -> DeviceProfile:
+    """One rank's profile from what it gathered: its measured block timings, memory and quota."""
     timings: BlockTimings = record["timings"]
     cpu_share, cpu_period_s = record.get("cpu_quota", (1.0, 0.0))
     return DeviceProfile(
@@ -276,16 +291,8 @@ def _device_profile(rank: int, host: str, record: dict[str, Any]) -> DeviceProfi
         host=host,
         kind=record["kind"],
         memory_bytes=record["memory_bytes"],
-        forward_s=timings.forward_s,
-        backward_input_s=timings.backward_input_s,
-        backward_weight_s=timings.backward_weight_s,
-        activation_bytes=timings.activation_bytes,
-        parameter_bytes=timings.parameter_bytes,
-        saved_bytes=timings.saved_bytes,
-        transient_bytes=timings.transient_bytes,
+        **{name: getattr(timings, name) for name in _TIMING_FIELDS},
         reference_microbatch_size=timings.microbatch_size,
-        fixed_s=timings.fixed_s,
-        optimizer_s_per_byte=timings.optimizer_s_per_byte,
         cpu_share=cpu_share,
         cpu_period_s=cpu_period_s,
         capability=capability_score(
