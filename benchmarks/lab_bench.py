@@ -204,11 +204,11 @@ def _lightning_worker(args: argparse.Namespace) -> None:
                 if isinstance(trainer.strategy, DeepCEEStrategy):
                     st = trainer.strategy
                     extra["num_stages"] = st.num_stages
-                    extra["schedule"] = st.schedule_kind
                     extra["num_microbatches"] = st.num_microbatches
-                    extra["ranges"] = [list(r) for r in st.ranges]
-                    extra["placement"] = st.placement
+                    extra["placement"] = [list(ranks) for ranks in st.where.stages]
                     if st.plan is not None:  # cost-model error: predicted vs measured step
+                        extra["schedule"] = st.plan.schedule
+                        extra["ranges"] = [list(stage.block_range) for stage in st.plan.stages]
                         extra["predicted_step_s"] = st.plan.predicted_step_time_s
                         extra["shares"] = [list(stage.batch_shares) for stage in st.plan.stages]
                         extra["plan"] = st.plan.to_dict()

@@ -78,6 +78,7 @@ def _plan(args: argparse.Namespace) -> int:
     )
     print(plan.format_table())
     print(format_device_sets(profile, device_sets, plan))
+    print(f"(estimates: the cost model's predictions from the figures in {path})")
     plan.to_json(args.out)
     print(f"wrote {args.out}")
     if args.trace:

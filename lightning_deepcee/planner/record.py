@@ -5,8 +5,8 @@
 - ``plan.json``: the plan (``DeepCEEStrategy(plan=...)`` and ``deepcee plan`` read it);
 - ``profile.json``: the measured cluster (``DeepCEEStrategy(profile_cache=...)`` reuses it,
   ``deepcee plan --profile`` plans on it);
-- ``timeline.png``: the plan's simulated step, a row per stage named by its hosts, idle devices
-  listed in the title (needs matplotlib; without it the record says how to get it);
+- ``timeline.png``: the plan's simulated step, a row per stage named by its hosts, an empty
+  row per idle device (needs matplotlib; without it the record says how to get it);
 - ``why.txt``: the plan table, and every device set the search scored with its predicted step,
   by host and network group (region), best first.
 
@@ -62,9 +62,8 @@ def plan_timeline(plan: Plan, profile: ClusterProfile, path: str | os.PathLike[s
         f"{plan.predicted_step_time_s * 1e3:.2f} ms = pipeline + {rest * 1e3:.2f} ms of "
         "all-reduce, optimizer and CPU quota"
     )
-    if plan.idle_ranks:
-        title = f"idle: {', '.join(profile.devices[r].host for r in plan.idle_ranks)}\n{title}"
-    plot_timeline(result, path, title=title, row_labels=labels)
+    idle = [f"idle: {profile.devices[r].host} (rank {r})" for r in plan.idle_ranks]
+    plot_timeline(result, path, title=title, row_labels=labels, empty_rows=idle)
 
 
 def format_device_sets(

@@ -11,7 +11,7 @@ the sending rank's row. matplotlib is optional and imported only when a plot is 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from lightning_deepcee.schedule.actions import ActionKind
 from lightning_deepcee.schedule.simulate import SimulationResult
@@ -33,10 +33,12 @@ def plot_timeline(
     *,
     title: str | None = None,
     row_labels: Mapping[int, str] | None = None,
+    empty_rows: Sequence[str] = (),
 ) -> None:
     """Draw ``result`` as a Gantt chart and save it as a PNG at ``path``.
 
-    ``row_labels`` maps a rank of the simulation to its row label (default ``rank N``).
+    ``row_labels`` maps a rank of the simulation to its row label (default ``rank N``);
+    ``empty_rows`` adds labelled rows with nothing on them below (devices a plan leaves idle).
     """
     try:
         import matplotlib
@@ -51,8 +53,9 @@ def plot_timeline(
     ranks = sorted(result.per_rank_busy_s)
     row = {r: i for i, r in enumerate(ranks)}
     step = result.step_time_s or 1.0
+    rows = len(ranks) + len(empty_rows)
     fig, ax = plt.subplots(
-        figsize=(max(6.0, min(24.0, 0.4 * len(result.events))), 0.6 * len(ranks) + 1.2)
+        figsize=(max(6.0, min(24.0, 0.4 * len(result.events))), 0.6 * rows + 1.2)
     )
     try:
         for ev in result.events:
@@ -87,7 +90,8 @@ def plot_timeline(
                     color="white",
                 )
         labels = row_labels or {}
-        ax.set_yticks(range(len(ranks)), [labels.get(r, f"rank {r}") for r in ranks])
+        names = [labels.get(r, f"rank {r}") for r in ranks] + list(empty_rows)
+        ax.set_yticks(range(rows), names)
         ax.invert_yaxis()
         ax.set_xlim(0, step)
         ax.set_xlabel("seconds")
