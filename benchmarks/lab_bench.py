@@ -44,9 +44,12 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness import HERE, REPO, device_trainer, lab_command, main, worker_job, write_json
+
+if TYPE_CHECKING:  # the worker imports torch and Lightning only where it runs them
+    from lightning_deepcee import DeepCEEStrategy
 
 LIGHTNING_SYSTEMS = ("deepcee", "deepcee-adapter", "deepcee-manual", "ddp")
 PIPE_SYSTEMS = ("pipe-gpipe", "pipe-1f1b", "pipe-zb")
@@ -89,6 +92,27 @@ def _data(args: argparse.Namespace, batch_size: int):
 
     block = gpt_kwargs(args.size)["block_size"]
     return ShakespeareDataModule(block_size=block, batch_size=batch_size, max_chars=args.max_chars)
+
+
+def deepcee_summary(st: DeepCEEStrategy) -> dict[str, Any]:
+    """What a run records of DeepCEE's layout: stages, micro-batches, placement and, once set
+    up, the plan (schedule, block ranges, shares, its predicted step: the cost model's error),
+    the profile and rank 0's set-up seconds part by part."""
+    out: dict[str, Any] = {
+        "num_stages": st.num_stages,
+        "num_microbatches": st.num_microbatches,
+        "placement": [list(ranks) for ranks in st.where.stages],
+        "setup_s": st.setup_seconds,
+    }
+    if st.plan is not None:
+        out["schedule"] = st.plan.schedule
+        out["ranges"] = [list(stage.block_range) for stage in st.plan.stages]
+        out["predicted_step_s"] = st.plan.predicted_step_time_s
+        out["shares"] = [list(stage.batch_shares) for stage in st.plan.stages]
+        out["plan"] = st.plan.to_dict()
+    if st.cluster_profile is not None:
+        out["profile"] = st.cluster_profile.to_dict()
+    return out
 
 
 def _lightning_worker(args: argparse.Namespace) -> None:
@@ -202,19 +226,7 @@ def _lightning_worker(args: argparse.Namespace) -> None:
                 extra: dict[str, Any] = dict(system=args.system, world_size=world)
                 extra["parameters"] = count_parameters(pl_module)
                 if isinstance(trainer.strategy, DeepCEEStrategy):
-                    st = trainer.strategy
-                    extra["num_stages"] = st.num_stages
-                    extra["num_microbatches"] = st.num_microbatches
-                    extra["placement"] = [list(ranks) for ranks in st.where.stages]
-                    if st.plan is not None:  # cost-model error: predicted vs measured step
-                        extra["schedule"] = st.plan.schedule
-                        extra["ranges"] = [list(stage.block_range) for stage in st.plan.stages]
-                        extra["predicted_step_s"] = st.plan.predicted_step_time_s
-                        extra["shares"] = [list(stage.batch_shares) for stage in st.plan.stages]
-                        extra["plan"] = st.plan.to_dict()
-                    if st.cluster_profile is not None:
-                        extra["profile"] = st.cluster_profile.to_dict()
-                    extra["setup_s"] = st.setup_seconds  # rank 0's set-up, part by part
+                    extra.update(deepcee_summary(trainer.strategy))
                     # Median seconds per step by action kind on every rank (after warm-up):
                     # where the measured step goes, against the cost model's per-stage costs.
                     extra["rank_stats"] = rank_stats
