@@ -31,9 +31,6 @@ from lightning_deepcee.schedule.simulate import SimulationResult, simulate
 
 __all__ = ["format_device_sets", "plan_timeline", "simulate_plan", "write_setup_record"]
 
-RECORD_FILES = ("plan.json", "profile.json", "timeline.png", "why.txt")
-"""The files :func:`write_setup_record` writes (``timeline.png`` only with matplotlib)."""
-
 
 def simulate_plan(plan: Plan, profile: ClusterProfile) -> SimulationResult:
     """The plan's step under the cost model, with events (one simulated rank per stage)."""
@@ -100,7 +97,7 @@ def write_setup_record(
     device_sets: Mapping[tuple[int, ...], DeviceSetScore] | None = None,
 ) -> list[Path]:
     """Write the record files into ``folder`` (created; existing files replaced) and return
-    their paths."""
+    their paths; a timeline that cannot be drawn is explained in ``why.txt`` instead."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "plan.json", out / "profile.json"]
@@ -115,6 +112,8 @@ def write_setup_record(
         written.append(timeline)
     except ImportError:
         why.append("timeline.png not drawn: pip install matplotlib")
+    except Exception as error:  # a picture must not end the run that set-up has made ready
+        why.append(f"timeline.png not drawn: {type(error).__name__}: {error}")
     (out / "why.txt").write_text("\n\n".join(why) + "\n", encoding="utf-8")
     written.append(out / "why.txt")
     return written

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_deepcee.planner import Plan, plan_search
-from lightning_deepcee.planner.record import write_setup_record
+import pytest
+
+from lightning_deepcee.planner import Plan, plan_search, record
 from lightning_deepcee.planner.search import DeviceSetScore
 from lightning_deepcee.profiler import ClusterProfile
 from tests.helpers.paths import EXAMPLE_PROFILE
@@ -25,7 +26,7 @@ def test_the_record_holds_the_plan_the_profile_a_timeline_and_every_scored_set(
     assert chosen.full and chosen.step_time_s == plan.predicted_step_time_s
     assert min(s.step_time_s for s in sets.values() if s.full) == plan.predicted_step_time_s
 
-    written = write_setup_record(tmp_path / "record", plan, profile, sets)
+    written = record.write_setup_record(tmp_path / "record", plan, profile, sets)
     names = sorted(p.name for p in written)
     assert names == ["plan.json", "profile.json", "timeline.png", "why.txt"]
     assert Plan.from_json(tmp_path / "record" / "plan.json") == plan
@@ -38,3 +39,18 @@ def test_the_record_holds_the_plan_the_profile_a_timeline_and_every_scored_set(
     for r in plan.ranks:  # the chosen set names its devices by host
         assert profile.devices[r].host in chosen_lines[0]
     assert len([line for line in why.splitlines() if " ms  " in line]) == len(sets)
+
+
+def test_a_timeline_that_cannot_be_drawn_is_explained_not_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profile = ClusterProfile.from_yaml(EXAMPLE_PROFILE)
+    plan = plan_search(profile, num_blocks=profile.num_blocks, global_batch_size=32)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(record, "plan_timeline", broken)
+    written = record.write_setup_record(tmp_path, plan, profile)
+    assert sorted(p.name for p in written) == ["plan.json", "profile.json", "why.txt"]
+    assert "timeline.png not drawn: RuntimeError: no display" in (tmp_path / "why.txt").read_text()
