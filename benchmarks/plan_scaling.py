@@ -20,13 +20,14 @@ import json
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from lightning_deepcee.planner.search import plan_search
 from lightning_deepcee.profiler.data import ClusterProfile, DeviceProfile
 
-__all__ = ["main", "synthetic_cluster"]
+__all__ = ["main", "render", "synthetic_cluster"]
 
 SITE_BYTES_PER_S = 10e9 / 8
 REGION_BYTES_PER_S = 1e9 / 8
@@ -78,6 +79,26 @@ def synthetic_cluster(
         num_blocks=num_blocks,
         model_fingerprint="synthetic-model",
         cluster_fingerprint=f"synthetic-{regions}x{sites}x{devices}",
+    )
+
+
+def render(data: dict[str, Any]) -> str:
+    """The Markdown table of a results file written with ``--json``."""
+    plan = data["plan"]
+    layout = (
+        f"{plan['stages']} stage(s), {plan['schedule']}, {plan['num_microbatches']} micro-batches, "
+        f"{plan['idle_devices']} idle"
+    )
+    return "\n".join(
+        [
+            f"# Plan scaling (`{data['command']}`, {data['date']}, commit {data['commit']})",
+            "",
+            "| devices | blocks | plan_search wall | CPU | plan | predicted step |",
+            "|---|---|---|---|---|---|",
+            f"| {data['devices']} | {data['blocks']} | {data['plan_search_s']:.1f} s | "
+            f"{data['plan_search_cpu_s']:.1f} s | {layout} | {plan['predicted_step_s']:.2f} s |",
+            "",
+        ]
     )
 
 
