@@ -65,8 +65,6 @@ class CompiledSchedule:
     """The largest stage an action names (checked against the costs at run time)."""
     max_microbatch: int
     """The largest micro-batch an action names."""
-    schedule: Mapping[int, Sequence[Action]]
-    """The schedule it was compiled from (for error messages)."""
 
 
 def compile_schedule(
@@ -137,7 +135,6 @@ def compile_schedule(
         num_slots=len(slots),
         max_stage=max_stage,
         max_microbatch=max_mb,
-        schedule=schedule,
     )
 
 

@@ -170,17 +170,17 @@ def profile_cluster(
         )
         _store_timings(cached, timings)
     blocks_s = time.perf_counter() - began
-    world = dist.get_world_size(group)
+    world, rank_zero = dist.get_world_size(group), dist.get_rank(group) == 0
+    counted = itertools.count(1)
 
     def arrived(rank: int, _waited_s: float) -> None:
-        if progress is not None:
-            done, seconds = next(counted) + 1, time.perf_counter() - began
+        if progress is not None:  # only passed on when it is set
+            seconds = time.perf_counter() - began
             progress(
-                f"DeepCEE: blocks {done}/{world}: {hosts[rank]} (rank {rank}), {seconds:.1f} s"
+                f"DeepCEE: blocks {next(counted)}/{world}: {hosts[rank]} (rank {rank}), "
+                f"{seconds:.1f} s"
             )
 
-    counted = itertools.count()
-    rank_zero = dist.get_rank(group) == 0
     _wait_for_slowest_rank(group, "blocks", arrived if rank_zero and progress else None)
     local = {
         "kind": os.environ.get(DEVICE_KIND_ENV, "").strip() or device.type,
