@@ -27,10 +27,14 @@ from lightning_deepcee.planner.prediction import CostModelConfig, Prediction
 from lightning_deepcee.planner.profile_arrays import ProfileArrays
 from lightning_deepcee.profiler.data import ClusterProfile
 from lightning_deepcee.schedule.actions import ActionKind
-from lightning_deepcee.schedule.compiled import CompiledSchedule, compile_schedule
+from lightning_deepcee.schedule.compiled import (
+    CompiledSchedule,
+    compile_schedule,
+    compile_stage_schedule,
+)
 from lightning_deepcee.schedule.generators import SCHEDULE_KINDS, StageSchedule, generate
 from lightning_deepcee.schedule.lowering import RankSchedule, lower
-from lightning_deepcee.schedule.simulate import StageCosts, simulate
+from lightning_deepcee.schedule.simulate import StageCosts, simulate, simulate_stages
 from lightning_deepcee.schedule.validate import validate
 
 __all__ = ["Evaluator", "in_flight_microbatches"]
@@ -96,7 +100,9 @@ def _row_overlaps(
     return i, j, fraction[keep]
 
 
-_EVALUATOR_MEMOS = frozenset({"_group_links", "_lowered", "_in_flight", "_transfers", "_stages"})
+_EVALUATOR_MEMOS = frozenset(
+    {"_group_links", "_lowered", "_fitted", "_in_flight", "_transfers", "_stages", "_shares"}
+)
 
 
 class Evaluator:
@@ -113,9 +119,12 @@ class Evaluator:
         self.arrays = ProfileArrays(profile)
         self._group_links: dict[tuple[int, ...], tuple[float, float]] = {}
         self._lowered: dict[tuple[str, int, int], tuple[RankSchedule, CompiledSchedule]] = {}
+        self._fitted: dict[int, tuple[StageSchedule, CompiledSchedule | None]] = {}
+        """The last cost-fitted schedule checked and compiled, by ``id`` (the entry holds it)."""
         self._in_flight: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self._transfers: dict[tuple[Any, ...], float] = {}
         self._stages: dict[tuple[Any, ...], tuple[float, ...]] = {}
+        self._shares: dict[tuple[Any, ...], tuple[float, ...] | None] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         """The evaluator without its memos (a spread search hands it to other processes)."""
@@ -169,8 +178,23 @@ class Evaluator:
         largest micro-batch (see :func:`_peak_rows`); the rest of the batch goes to the uncapped
         devices in proportion to their speed (water filling). ``None`` when the devices cannot
         hold the stage at all. ``bounded_by_memory=False`` gives the plain speed-proportional
-        shares.
+        shares. Memoised: a search scores many layouts that share most of their stages.
         """
+        key = (tuple(ranks), block_range, microbatch_size, in_flight, bounded_by_memory)
+        if key not in self._shares:
+            if len(self._shares) > _STAGE_CACHE_SIZE:
+                self._shares.clear()
+            self._shares[key] = self._speed_shares(*key)
+        return self._shares[key]
+
+    def _speed_shares(
+        self,
+        ranks: tuple[int, ...],
+        block_range: tuple[int, int],
+        microbatch_size: float,
+        in_flight: int,
+        bounded_by_memory: bool,
+    ) -> tuple[float, ...] | None:
         arrays = self.arrays
         start, end = block_range
         index = np.asarray(ranks)
@@ -372,15 +396,21 @@ class Evaluator:
     ) -> tuple[float, float, dict[int, int]]:
         p = costs.num_stages
         placement = {s: s for s in range(p)}
-        compiled = None
         if stage_schedule is None:
             ranked, compiled = self._lowered_schedule(schedule, p, m)
-        else:  # a cost-fitted schedule (compact): not memoised
-            ranked = lower(stage_schedule, placement)
-            validate(ranked, placement, m)
-        result = simulate(
-            ranked, placement, costs, num_microbatches=m, events=False, compiled=compiled
-        )
+            result = simulate(
+                ranked, placement, costs, num_microbatches=m, events=False, compiled=compiled
+            )
+        else:  # a cost-fitted schedule (compact): checked and compiled once per schedule object
+            kept = self._fitted.get(id(stage_schedule))
+            if kept is None or kept[0] is not stage_schedule:
+                validate(lower(stage_schedule, placement), placement, m)
+                self._fitted.clear()
+                kept = self._fitted[id(stage_schedule)] = (
+                    stage_schedule,
+                    compile_stage_schedule(stage_schedule),
+                )
+            result = simulate_stages(stage_schedule, costs, num_microbatches=m, compiled=kept[1])
         return result.step_time_s, result.bubble_ratio, result.peak_memory_bytes
 
     def predict(

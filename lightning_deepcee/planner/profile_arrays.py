@@ -93,6 +93,8 @@ class ProfileArrays:
         self.has_quota = any(d.has_cpu_quota for d in devices)
         """Whether any device runs under a CPU quota (the simulator then models it)."""
         groups = group_by_network(self.bandwidth)
+        self.network_groups = groups
+        """First-level network groups (:func:`group_by_network`, default config)."""
         self.network_group = np.zeros(len(ref), dtype=np.intp)
         """First-level network group of each rank (:func:`group_by_network`, default config)."""
         for index, members in enumerate(groups):

@@ -2,7 +2,7 @@
 
 This module owns the third kind of candidate of :func:`~lightning_deepcee.planner.plan_search`:
 
-1. :func:`network_units`: the first-level network groups (``group_devices``), merged by
+1. :func:`network_units`: the first-level network groups (``group_by_network``), merged by
    bandwidth while there are more of them than stages allowed;
 2. :func:`search_units`: a beam search over the pipeline order of the units (each unit one
    stage), scored by the greedy completion of each partial order; then, on the best few orders,
@@ -37,7 +37,6 @@ from lightning_deepcee.profiler.grouping import (
     GroupingConfig,
     group_by_compute,
     group_by_network,
-    group_devices,
     network_distances,
 )
 
@@ -73,13 +72,11 @@ a time, each split kept only if it helps alone) never tries."""
 
 def _group_bandwidth(bandwidth: Array, units: Sequence[tuple[int, ...]]) -> Array:
     """Slowest link between every two units (``inf`` on the diagonal)."""
-    k = len(units)
-    out = np.full((k, k), np.inf)
-    for g in range(k):
-        rows = bandwidth[np.asarray(units[g])]
-        for h in range(k):
-            if g != h:
-                out[g, h] = rows[:, np.asarray(units[h])].min()
+    order = np.asarray([r for unit in units for r in unit], dtype=np.intp)
+    starts = np.cumsum([0, *(len(unit) for unit in units[:-1])])
+    rows = np.minimum.reduceat(bandwidth[order][:, order], starts, axis=0)
+    out = np.minimum.reduceat(rows, starts, axis=1)
+    np.fill_diagonal(out, np.inf)
     return out
 
 
@@ -88,9 +85,17 @@ def network_units(
 ) -> tuple[list[tuple[int, ...]], str]:
     """The network groups as pipeline units, at most ``max_stages`` of them, and a note saying
     how many were merged (empty when none were)."""
-    groups = group_devices(context.profile, grouping)
-    bandwidth = context.evaluator.arrays.bandwidth
-    units = [tuple(g) for g in groups.network_groups]
+    arrays = context.evaluator.arrays
+    bandwidth = arrays.bandwidth
+    default = GroupingConfig()
+    if (grouping.bandwidth_ratio_threshold, grouping.linkage) == (
+        default.bandwidth_ratio_threshold,
+        default.linkage,
+    ):
+        network = arrays.network_groups  # the same cut, made once per profile
+    else:
+        network = group_by_network(bandwidth, grouping)
+    units = [tuple(g) for g in network]
     note = ""
     while len(units) > max_stages:
         merged = group_by_network(_group_bandwidth(bandwidth, units), grouping)
@@ -107,7 +112,7 @@ def network_units(
                 by_label.setdefault(int(label), []).append(unit)
             merged = tuple(tuple(v) for v in by_label.values())
         note = (
-            f"{len(groups.network_groups)} network groups merged into {len(merged)} "
+            f"{len(network)} network groups merged into {len(merged)} "
             f"(at most {max_stages} stages); "
         )
         units = [tuple(sorted(r for u in part for r in units[u])) for part in merged]

@@ -33,6 +33,26 @@ __all__ = ["ClusterProfile"]
 # Infinite bandwidth (a device to itself, or two processes on one host) is written as this string
 # so that ``to_dict`` output is strict JSON; YAML's ``.inf`` and the float ``inf`` also read back.
 _INF_TEXT = "inf"
+_ARRAYS_KEPT = 8
+"""Link matrices :func:`_as_array` keeps converted (the planner reads each subset's several
+times; a 1024-device matrix takes some 25 ms to convert from tuples)."""
+_ARRAYS: dict[int, tuple[tuple[tuple[float, ...], ...], npt.NDArray[np.float64]]] = {}
+
+
+def _as_array(
+    rows: tuple[tuple[float, ...], ...], array: npt.NDArray[np.float64] | None = None
+) -> npt.NDArray[np.float64]:
+    """``rows`` as a fresh float array; the conversion (or ``array``, already equal to it) is
+    kept for the next call on the same tuple object, which the entry holds (so its id cannot
+    be reused while it is kept)."""
+    kept = _ARRAYS.get(id(rows))
+    if kept is None or kept[0] is not rows:
+        if array is None:
+            array = np.array(rows, dtype=np.float64)
+        if len(_ARRAYS) >= _ARRAYS_KEPT:
+            del _ARRAYS[next(iter(_ARRAYS))]  # the oldest
+        kept = _ARRAYS[id(rows)] = (rows, array)
+    return kept[1].copy()
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -243,15 +263,17 @@ class ClusterProfile:
         copy = object.__new__(ClusterProfile)
         for name, value in fields.items():
             check.set_field(copy, name, value)
+        _as_array(copy.latency_s, latency[index])
+        _as_array(copy.bandwidth_bytes_per_s, bandwidth[index])
         return copy
 
     def latency_matrix(self) -> npt.NDArray[np.float64]:
         """``latency_s`` as an N x N float array (a fresh copy)."""
-        return np.array(self.latency_s, dtype=np.float64)
+        return _as_array(self.latency_s)
 
     def bandwidth_matrix(self) -> npt.NDArray[np.float64]:
         """``bandwidth_bytes_per_s`` as an N x N float array (a fresh copy; inf kept)."""
-        return np.array(self.bandwidth_bytes_per_s, dtype=np.float64)
+        return _as_array(self.bandwidth_bytes_per_s)
 
     def capability_vector(self) -> npt.NDArray[np.float64]:
         """Each device's capability score, indexed by rank."""

@@ -288,9 +288,21 @@ def network_distances(bandwidth_bytes_per_s: npt.ArrayLike) -> npt.NDArray[np.fl
 
 
 def _cut(condensed: npt.NDArray[np.float64], ratio: float, method: str) -> npt.NDArray[np.int32]:
-    """Flat cluster labels from a condensed distance vector, cut at ``log(ratio)``."""
+    """Flat cluster labels from a condensed distance vector, cut at ``log(ratio)``.
+
+    Every method in :data:`LINKAGE_METHODS` merges at heights between the smallest and the
+    largest pairwise distance, so when all distances lie below the cut (one cluster) or above
+    it (singletons) the answer is known without building the tree.
+    """
+    cut = math.log(ratio)
+    size = round((1 + math.sqrt(1 + 8 * condensed.size)) / 2)
+    margin = 1e-9 * max(abs(cut), 1e-12)  # rounding in the tree's averaged heights
+    if condensed.size and float(condensed.max()) < cut - margin:
+        return np.ones(size, dtype=np.int32)
+    if condensed.size and float(condensed.min()) > cut + margin:
+        return np.arange(1, size + 1, dtype=np.int32)
     tree = linkage(condensed, method=method)
-    return np.asarray(fcluster(tree, t=math.log(ratio), criterion="distance"), dtype=np.int32)
+    return np.asarray(fcluster(tree, t=cut, criterion="distance"), dtype=np.int32)
 
 
 def _canonical(labels: Sequence[int], members: Sequence[int]) -> Groups:

@@ -48,8 +48,7 @@ from typing import Any
 from lightning_deepcee.schedule import generators
 from lightning_deepcee.schedule.actions import Action, ActionKind
 from lightning_deepcee.schedule.generators import StageSchedule
-from lightning_deepcee.schedule.lowering import lower
-from lightning_deepcee.schedule.simulate import StageCosts, simulate
+from lightning_deepcee.schedule.simulate import StageCosts, simulate_stages
 
 __all__ = [
     "COST_AWARE_SCHEDULE_KINDS",
@@ -107,16 +106,9 @@ def split_backward(schedule: StageSchedule) -> StageSchedule:
 
 
 def simulated_step_time(schedule: StageSchedule, costs: StageCosts, num_microbatches: int) -> float:
-    """Step time of ``schedule`` with one stage per rank (identity placement), by ``simulate``."""
-    placement = {s: s for s in range(costs.num_stages)}
-    result = simulate(
-        lower(schedule, placement),
-        placement,
-        costs,
-        num_microbatches=num_microbatches,
-        events=False,
-    )
-    return result.step_time_s
+    """Step time of ``schedule`` with one stage per rank (identity placement), by
+    :func:`~lightning_deepcee.schedule.simulate.simulate_stages`."""
+    return simulate_stages(schedule, costs, num_microbatches=num_microbatches).step_time_s
 
 
 def _check_caps(

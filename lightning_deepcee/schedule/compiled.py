@@ -23,6 +23,7 @@ from lightning_deepcee.schedule.validate import ScheduleError
 __all__ = [
     "CompiledSchedule",
     "compile_schedule",
+    "compile_stage_schedule",
     "compiled_peak_memory",
     "quota_end",
     "run_compiled",
@@ -132,6 +133,76 @@ def compile_schedule(
         ),
         num_messages=len(messages),
         num_links=len(links),
+        num_slots=len(slots),
+        max_stage=max_stage,
+        max_microbatch=max_mb,
+    )
+
+
+def compile_stage_schedule(
+    schedule: Mapping[int, Sequence[Action]],
+) -> CompiledSchedule | None:
+    """``compile_schedule(lower(schedule, identity), identity)`` without building the lowered
+    actions: each stage on its own rank (stage ``s`` on rank ``s``), transfers inserted as
+    :func:`~lightning_deepcee.schedule.lowering.lower` inserts them, the same numbering. The
+    planner's schedule fitting compiles thousands of such candidates.
+
+    Returns ``None`` where the schedule is not compute actions of stages ``0..p-1``, each in its
+    own stage's list; the caller then lowers it, which reports what is wrong.
+    """
+    num_stages = len(schedule)
+    last = num_stages - 1
+    messages: dict[tuple[int, int, int], int] = {}
+    slots: dict[tuple[int, int], int] = {}
+    programs, memory_programs = [], []
+    max_stage = max_mb = 0
+    for s in range(num_stages):
+        actions = schedule.get(s)
+        if actions is None:
+            return None
+        if actions:
+            max_stage = s
+        program: list[Op] = []
+        memory: list[MemoryOp] = []
+        held: set[tuple[int, int]] = set()
+        for a in actions:
+            mb, code = a.microbatch, _CODE[a.kind]
+            if a.stage != s or code < _F:
+                return None
+            if mb > max_mb:
+                max_mb = mb
+            backward = code in (_B, _BW)
+            if code == _F and s > 0:
+                msg = messages.setdefault((_SEND_F, s - 1, mb), len(messages))
+                program.append((_RECV, s, mb, msg, -1))
+            elif backward and s < last:
+                msg = messages.setdefault((_SEND_B, s + 1, mb), len(messages))
+                program.append((_RECV, s, mb, msg, -1))
+            key = (s, mb)
+            added = released = -1
+            if code == _F:
+                added = slots.setdefault(key, len(slots))
+                held.add(key)
+            elif code >= _W and key in held:
+                released = slots[key]
+                held.discard(key)
+            memory.append((s, mb, added, released))
+            program.append((code, s, mb, -1, -1))
+            if code == _F and s < last:
+                msg = messages.setdefault((_SEND_F, s, mb), len(messages))
+                program.append((_SEND_F, s, mb, msg, 2 * s))
+            elif backward and s > 0:
+                msg = messages.setdefault((_SEND_B, s, mb), len(messages))
+                program.append((_SEND_B, s, mb, msg, 2 * s - 1))
+        programs.append(tuple(program))
+        memory_programs.append(tuple(memory))
+    return CompiledSchedule(
+        ranks=tuple(range(num_stages)),
+        programs=tuple(programs),
+        memory_programs=tuple(memory_programs),
+        rank_stages=tuple((s,) for s in range(num_stages)),
+        num_messages=len(messages),
+        num_links=max(2 * last, 0),
         num_slots=len(slots),
         max_stage=max_stage,
         max_microbatch=max_mb,

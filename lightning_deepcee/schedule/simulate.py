@@ -44,14 +44,17 @@ from lightning_deepcee.schedule.actions import Action, ActionKind
 from lightning_deepcee.schedule.compiled import (
     CompiledSchedule,
     compile_schedule,
+    compile_stage_schedule,
     compiled_peak_memory,
     quota_end,
     run_compiled,
 )
+from lightning_deepcee.schedule.generators import StageSchedule
+from lightning_deepcee.schedule.lowering import lower
 from lightning_deepcee.schedule.render import render
 from lightning_deepcee.schedule.validate import ScheduleError
 
-__all__ = ["SimEvent", "SimulationResult", "StageCosts", "simulate"]
+__all__ = ["SimEvent", "SimulationResult", "StageCosts", "simulate", "simulate_stages"]
 
 K = ActionKind
 _MessageKey = tuple[ActionKind, int, int]
@@ -456,6 +459,28 @@ def simulate(
         peak_memory_bytes=_peak(compile_schedule(schedule, stage_to_rank), costs, scale),
         events=tuple(sorted(sim.events, key=lambda e: (e.start_s, e.rank, e.is_transfer))),
     )
+
+
+def simulate_stages(
+    schedule: StageSchedule,
+    costs: StageCosts,
+    *,
+    num_microbatches: int,
+    compiled: CompiledSchedule | None = None,
+) -> SimulationResult:
+    """:func:`simulate` without events of a schedule of compute actions per stage (before
+    lowering), each stage on its own rank: compiled without lowering
+    (:func:`~lightning_deepcee.schedule.compiled.compile_stage_schedule`, or ``compiled`` when
+    the caller keeps it), the same figures. Wrong inputs and deadlocks raise as :func:`simulate`
+    raises them."""
+    placement = {s: s for s in range(costs.num_stages)}
+    compiled = compiled or compile_stage_schedule(schedule)
+    if compiled is not None:
+        fast = _simulate_compiled(schedule, placement, costs, num_microbatches, compiled)
+        if fast is not None:
+            return fast
+    lowered = lower(schedule, placement)
+    return simulate(lowered, placement, costs, num_microbatches=num_microbatches, events=False)
 
 
 def _simulate_compiled(

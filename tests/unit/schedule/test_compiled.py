@@ -3,6 +3,8 @@
 ``simulate(..., events=False)`` runs :mod:`lightning_deepcee.schedule.compiled`; the recording
 simulator (``events=True``) is the reference. Random costs, unequal micro-batches, CPU quotas and
 every generated schedule: step time, busy seconds, bubble and memory peaks must be equal floats.
+Schedules compiled before lowering (``compile_stage_schedule``, one stage per rank) must give the
+figures of the lowered ones.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import random
 
 import pytest
 
-from lightning_deepcee.schedule.compiled import compile_schedule
-from lightning_deepcee.schedule.generators import SCHEDULE_KINDS, generate
+from lightning_deepcee.schedule.actions import Action, ActionKind
+from lightning_deepcee.schedule.compact import compact_zero_bubble
+from lightning_deepcee.schedule.compiled import compile_schedule, compile_stage_schedule
+from lightning_deepcee.schedule.generators import SCHEDULE_KINDS, StageSchedule, generate
 from lightning_deepcee.schedule.lowering import lower
-from lightning_deepcee.schedule.simulate import StageCosts, simulate
+from lightning_deepcee.schedule.simulate import StageCosts, simulate, simulate_stages
 from lightning_deepcee.schedule.validate import ScheduleError
 
 
@@ -74,3 +78,56 @@ def test_two_stages_on_one_rank_and_bad_inputs_match_too() -> None:
     with pytest.raises(ScheduleError, match="deadlock"):
         stuck = {r: list(reversed(actions)) for r, actions in ranked.items()}
         simulate(stuck, placement, costs, num_microbatches=4, events=False)
+
+
+def _moved_w(schedule: StageSchedule, rng: random.Random) -> StageSchedule:
+    """``schedule`` with one W of a random stage moved to a random later place (still after
+    its B): the kind of edit the compact fitter's local search makes."""
+    stage = rng.choice(
+        [s for s, acts in schedule.items() if any(a.kind == ActionKind.W for a in acts)]
+    )
+    acts = list(schedule[stage])
+    i = rng.choice([j for j, a in enumerate(acts) if a.kind == ActionKind.W])
+    w = acts.pop(i)
+    acts.insert(rng.randint(i, len(acts)), w)
+    return {**schedule, stage: acts}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_stage_schedule_compiled_before_lowering_gives_the_lowered_figures(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    p, m = rng.randint(1, 6), rng.randint(1, 9)
+    costs = _costs(rng, p, m, quota=seed % 2 == 1, unequal=seed % 3 == 2)
+    kinds: list[StageSchedule] = [generate(kind, p, m) for kind in SCHEDULE_KINDS]
+    kinds.append(compact_zero_bubble(costs, m))
+    kinds.append(_moved_w(kinds[-1], rng))
+    placement = {s: s for s in range(p)}
+    for schedule in kinds:
+        reference = simulate(lower(schedule, placement), placement, costs, num_microbatches=m)
+        compiled = compile_stage_schedule(schedule)
+        assert compiled is not None
+        assert (
+            compiled.num_messages
+            == compile_schedule(lower(schedule, placement), placement).num_messages
+        )
+        for fast in (
+            simulate_stages(schedule, costs, num_microbatches=m),
+            simulate_stages(schedule, costs, num_microbatches=m, compiled=compiled),
+        ):
+            assert fast.step_time_s == reference.step_time_s
+            assert fast.per_rank_busy_s == reference.per_rank_busy_s
+            assert fast.bubble_ratio == reference.bubble_ratio
+            assert fast.peak_memory_bytes == reference.peak_memory_bytes
+
+
+def test_a_stage_schedule_that_cannot_be_compiled_before_lowering_raises_as_lowered() -> None:
+    costs = _costs(random.Random(3), 3, 4, quota=False, unequal=False)
+    schedule = generate("1f1b", 3, 4)
+    misplaced = {**schedule, 1: [Action(2, ActionKind.F, 0), *schedule[1][1:]]}
+    assert compile_stage_schedule(misplaced) is None
+    with pytest.raises(ScheduleError, match="placed on rank"):
+        simulate_stages(misplaced, costs, num_microbatches=4)
+    stuck = {s: list(reversed(acts)) for s, acts in schedule.items()}
+    assert compile_stage_schedule(stuck) is not None
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate_stages(stuck, costs, num_microbatches=4)
