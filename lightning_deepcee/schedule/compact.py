@@ -204,11 +204,14 @@ class _Greedy:
 
     def run(self) -> StageSchedule:
         c, p = self.costs, self.p
+        # A stage's decision reads only its own state and the arrivals from its neighbours, so
+        # after stage s acts only s and s +- 1 decide anew.
+        decisions = [self._decide(s) for s in range(p)]
         for _ in range(3 * self.m * p):
             best_t, best_s, best_kind = math.inf, -1, None
             # Later stages first on ties: their B is nearer the end of the critical path.
             for s in reversed(range(p)):
-                t, kind = self._decide(s)
+                t, kind = decisions[s]
                 if t < best_t - _EPS:
                     best_t, best_s, best_kind = t, s, kind
             if best_kind is None:  # pragma: no cover - the caps are >= 1, so this cannot happen
@@ -237,6 +240,8 @@ class _Greedy:
                 start = max(end, self.link_bwd[s - 1])
                 self.link_bwd[s - 1] = start + c.send_backward_s[s - 1] * self.scale[mb]
                 self.grad_arrival[s - 1][mb] = self.link_bwd[s - 1]
+            for t in range(max(s - 1, 0), min(s + 2, p)):
+                decisions[t] = self._decide(t)
         return self.out
 
 
