@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from lightning_deepcee.runtime.background import start_thread
 from lightning_deepcee.runtime.checkpoint import commit_partial, partial_dir
 from lightning_deepcee.runtime.liveness import key_prefix, wait_for_ranks
 
@@ -105,11 +106,9 @@ class CheckpointWriter:
         self.wait()
         record = SaveRecord(target)
         name = f"ckpt/{self.name}/{next(self._saves)}"
-        self._thread = threading.Thread(
-            target=self._run, args=(target, write, name, record), daemon=True,
-            name=f"deepcee-checkpoint-{self.rank}",
-        )  # fmt: skip
-        self._thread.start()
+        self._thread = start_thread(
+            self._run, target, write, name, record, name=f"deepcee-checkpoint-{self.rank}"
+        )
         if not self.asynchronous:
             self.wait()
         record.blocking_s = time.monotonic() - record.began

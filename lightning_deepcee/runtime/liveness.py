@@ -29,6 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_deepcee._compat import default_store
+from lightning_deepcee.runtime.background import start_thread
 from lightning_deepcee.runtime.transport import PeerLostError
 
 __all__ = [
@@ -105,10 +106,9 @@ class Heartbeat:
     def start(self) -> Heartbeat:
         """Beat once now (so every live rank has a key), then every ``interval_s`` in a thread."""
         self.store.add(f"{_prefix()}/beat/{self.rank}", 1)
-        self._thread = threading.Thread(
-            target=self._run, name=f"deepcee-heartbeat-{self.rank}", daemon=True
+        self._thread = start_thread(
+            self._run, name=f"deepcee-heartbeat-{self.rank}", stop=self._stop.set
         )
-        self._thread.start()
         return self
 
     def _run(self) -> None:

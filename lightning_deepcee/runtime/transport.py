@@ -49,6 +49,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_deepcee.runtime.background import start_thread
+
 __all__ = [
     "MAX_DIMS",
     "P2PTransport",
@@ -249,13 +251,7 @@ class P2PTransport:
             self._posted.setdefault(src, deque()).append(self._post(src))
         self._counts.clear()  # the receives' keys are in the posted entries; sends count anew
         for src, entries in self._posted.items():
-            timer = threading.Thread(
-                target=_stamp_arrivals,
-                args=(list(entries),),
-                name=f"deepcee-recv-timer-{src}",
-                daemon=True,
-            )
-            timer.start()
+            timer = start_thread(_stamp_arrivals, list(entries), name=f"deepcee-recv-timer-{src}")
             self._timers.append(timer)
 
     def end_step(self) -> None:

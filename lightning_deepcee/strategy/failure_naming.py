@@ -39,6 +39,7 @@ class FailureNaming:
     def start(self, rank: int, world_size: int, hosts: list[str]) -> None:
         """Beat in the default store (several ranks only); ``hosts`` name each rank's device."""
         self._rank, self._world_size, self._hosts = rank, world_size, hosts
+        self.stop()  # one heartbeat per rank, however often set-up runs
         store = default_store()
         if store is not None and world_size > 1:
             self._heartbeat = Heartbeat(store, rank, interval_s=HEARTBEAT_S).start()
