@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["DEVICE_GAIN_DEFAULT", "main"]
 
@@ -90,6 +91,17 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _subcommand(
+    sub: Any, func: Callable[[argparse.Namespace], int], help: str, description: str | None = None
+) -> argparse.ArgumentParser:
+    """The sub-command that runs ``func`` (named after it, without the underscore)."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        func.__name__.lstrip("_"), help=help, description=description
+    )
+    parser.set_defaults(func=func)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from lightning_deepcee._version import VERSION
 
@@ -101,30 +113,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
     sub = parser.add_subparsers(dest="command", required=True)
-    cons = sub.add_parser(
-        "consolidate", help="merge a sharded pipeline checkpoint into one plain state_dict"
+    cons = _subcommand(
+        sub,
+        _consolidate,
+        "merge a sharded pipeline checkpoint into one plain state_dict",
     )
     cons.add_argument("checkpoint", help="checkpoint directory (with meta.pt and stage_NNN.pt)")
     cons.add_argument("output", help="output file for torch.save(state_dict)")
-    cons.set_defaults(func=_consolidate)
-    prof = sub.add_parser(
-        "profile",
-        help="measure the devices and links without training",
-        description="Run a LightningCLI training script (launched like training: torchrun on "
-        "every site, or Lightning's own launcher) through DeepCEEStrategy's set-up only: it "
-        "profiles every device and link, plans, and saves plan.json, profile.json, "
-        "timeline.png and why.txt in <default_root_dir>/deepcee/, then stops before the first "
-        "step. Plan again on the profile with 'deepcee plan --profile'.",
+    prof = _subcommand(
+        sub,
+        _profile,
+        "measure the devices and links without training",
+        "Run a LightningCLI training script (launched like training: torchrun on every site, or "
+        "Lightning's own launcher) through DeepCEEStrategy's set-up only: it profiles every "
+        "device and link, plans, and saves plan.json, profile.json, timeline.png and why.txt in "
+        "<default_root_dir>/deepcee/, then stops before the first step. Plan again on the "
+        "profile with 'deepcee plan --profile'.",
     )
     prof.add_argument("script", help="the training script, e.g. examples/train_gpt.py")
     prof.add_argument(
         "args", nargs=argparse.REMAINDER, help="its arguments, e.g. --config configs/sites.yaml"
     )
-    prof.set_defaults(func=_profile)
-    plan = sub.add_parser(
-        "plan",
-        help="search a plan offline from a cluster profile",
-        description="Search a plan offline from a cluster profile (one that "
+    plan = _subcommand(
+        sub,
+        _plan,
+        "search a plan offline from a cluster profile",
+        "Search a plan offline from a cluster profile (one that "
         "DeepCEEStrategy(profile_cache=...) measured, or one written by hand) and write it as "
         "JSON; train with it by DeepCEEStrategy(plan='plan.json'), which skips the search.",
     )
@@ -171,7 +185,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument(
         "--trace", help="also write the simulated step as a chrome trace (open in Perfetto)"
     )
-    plan.set_defaults(func=_plan)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

@@ -68,6 +68,22 @@ class CompiledSchedule:
     """The largest micro-batch an action names."""
 
 
+def _memory_op(
+    code: int, s: int, mb: int, slots: dict[tuple[int, int], int], held: set[tuple[int, int]]
+) -> MemoryOp:
+    """The memory op of compute action ``code`` on (stage ``s``, micro-batch ``mb``): an F
+    takes a held slot (numbered in ``slots`` at first use), a W or BW releases its F's."""
+    key = (s, mb)
+    added = released = -1
+    if code == _F:
+        added = slots.setdefault(key, len(slots))
+        held.add(key)
+    elif code >= _W and key in held:
+        released = slots[key]
+        held.discard(key)
+    return (s, mb, added, released)
+
+
 def compile_schedule(
     schedule: Mapping[int, Sequence[Action]], stage_to_rank: Mapping[int, int]
 ) -> CompiledSchedule:
@@ -111,15 +127,7 @@ def compile_schedule(
                 msg = messages.setdefault((kind, s, mb), len(messages))
                 program.append((code, s, mb, msg, link))
             else:
-                key = (s, mb)
-                added = released = -1
-                if code == _F:
-                    added = slots.setdefault(key, len(slots))
-                    held.add(key)
-                elif code >= _W and key in held:
-                    released = slots[key]
-                    held.discard(key)
-                memory.append((s, mb, added, released))
+                memory.append(_memory_op(code, s, mb, slots, held))
                 program.append((code, s, mb, -1, -1))
         programs.append(tuple(program))
         memory_programs.append(tuple(memory))
@@ -178,15 +186,7 @@ def compile_stage_schedule(
             elif backward and s < last:
                 msg = messages.setdefault((_SEND_B, s + 1, mb), len(messages))
                 program.append((_RECV, s, mb, msg, -1))
-            key = (s, mb)
-            added = released = -1
-            if code == _F:
-                added = slots.setdefault(key, len(slots))
-                held.add(key)
-            elif code >= _W and key in held:
-                released = slots[key]
-                held.discard(key)
-            memory.append((s, mb, added, released))
+            memory.append(_memory_op(code, s, mb, slots, held))
             program.append((code, s, mb, -1, -1))
             if code == _F and s < last:
                 msg = messages.setdefault((_SEND_F, s, mb), len(messages))
