@@ -31,7 +31,15 @@ from lightning_deepcee.planner.search import plan_from_candidate
 from lightning_deepcee.planner.subsets import lift, restrict
 from lightning_deepcee.profiler.data import ClusterProfile
 
-__all__ = ["RIVAL_WITHIN", "TRIAL_WIN", "choose_rivals", "pick_timed", "rival_plans"]
+__all__ = [
+    "RACE_MARGIN",
+    "RIVAL_WITHIN",
+    "TRIAL_WIN",
+    "choose_rivals",
+    "out_of_race",
+    "pick_timed",
+    "rival_plans",
+]
 
 RIVAL_WITHIN = 0.10
 """A rival is predicted at most this fraction slower than the plan: inside the cost model's
@@ -40,6 +48,11 @@ error on measured profiles (docs/benchmarks.md), so the model cannot rank the tw
 TRIAL_WIN = 0.02
 """A timed plan replaces the searched one (index 0 of :func:`pick_timed`) only when its step is
 this fraction faster: timings of a few steps differ by a percent or two from run to run."""
+
+RACE_MARGIN = 0.30
+"""A rival stops being timed once its fastest step so far is this fraction (beyond
+``device_gain``) slower than the fastest plan's median: one stalled step seldom costs that much,
+and a plan that slow is never picked."""
 
 _GENERATED_FOR_COMPACT = ("zb-h1", "1f1b")
 """A compact plan's actions are fitted to its own ranges; its rivals run these generated kinds."""
@@ -160,6 +173,13 @@ def pick_timed(plans: Sequence[Plan], seconds: Sequence[float], device_gain: flo
     if 0 in pool and seconds[best] > seconds[0] * (1 - TRIAL_WIN):
         return 0
     return best
+
+
+def out_of_race(steps_s: Sequence[float], fastest_s: float, device_gain: float) -> bool:
+    """Whether a rival timed ``steps_s`` so far can stop: its fastest step is slower than
+    ``fastest_s`` (the fastest median timed before it) by more than ``device_gain`` (what
+    :func:`pick_timed` still accepts) plus :data:`RACE_MARGIN`."""
+    return bool(steps_s) and min(steps_s) > fastest_s * (1 + device_gain + RACE_MARGIN)
 
 
 def _near(ranges: Ranges) -> list[Ranges]:

@@ -35,7 +35,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_deepcee._compat import fit_dataloader
 from lightning_deepcee.planner import Plan
-from lightning_deepcee.planner.rivals import RIVAL_WITHIN, choose_rivals, pick_timed
+from lightning_deepcee.planner.rivals import (
+    RACE_MARGIN,
+    RIVAL_WITHIN,
+    choose_rivals,
+    out_of_race,
+    pick_timed,
+)
 from lightning_deepcee.profiler import ClusterProfile
 from lightning_deepcee.runtime.batch_statistics import batch_dependent_modules
 from lightning_deepcee.runtime.layout_text import layout_line
@@ -109,10 +115,12 @@ def trial_plans(strategy: TrialStrategy, trainer: pl.Trainer, count: int) -> Pla
         batch = strategy.batch_to_device(next(iter(fit_dataloader(trainer))))
         candidates = [plan, *rivals]
         timed: list[float] = []
+        counts: list[int] = []
         for index, candidate in enumerate(candidates):
             if index:
                 build_for_timing(strategy, candidate, trainer)
-            step_s = _time_steps(strategy, batch)
+            step_s, count = _time_steps(strategy, batch, min(timed, default=None))
+            counts.append(count)
             if step_s is None:
                 rank_zero_info(
                     "DeepCEE: plan trial stopped: a training step changes the model's buffers; "
@@ -130,7 +138,7 @@ def trial_plans(strategy: TrialStrategy, trainer: pl.Trainer, count: int) -> Pla
         _set_rng_state(rng)
         for p in strategy.lightning_module.parameters() if strategy.lightning_module else ():
             p.grad = None
-    rank_zero_info(_report(candidates, timed, best))
+    rank_zero_info(_report(candidates, timed, counts, best))
     return candidates[best]
 
 
@@ -142,29 +150,39 @@ def _saved(shard: dict[str, Any] | None) -> Callable[[], dict[str, Any]]:
     return get
 
 
-def _time_steps(strategy: TrialStrategy, batch: Any) -> float | None:
-    """Median seconds of a whole pipeline step after one untimed step, the mean over ranks
-    (each step ends in an all-reduce, so they differ little; every rank gets the same figure);
+def _time_steps(
+    strategy: TrialStrategy, batch: Any, fastest_s: float | None
+) -> tuple[float | None, int]:
+    """Median seconds of a whole pipeline step after one untimed step (each step's seconds the
+    mean over ranks, so every rank gets the same figures), and how many steps were timed: up
+    to ``TRIAL_STEPS``, fewer once the plan is out of the race against ``fastest_s`` (the
+    fastest median timed before; :func:`~lightning_deepcee.planner.rivals.out_of_race`).
     ``None`` when a step changed a buffer of this stage (the buffers are put back)."""
     stage = strategy.stage_part.stage
     assert stage is not None
     buffers = list(dict.fromkeys(b for block in stage.blocks for b in block.buffers()))
     kept = [b.detach().clone() for b in buffers]
-    seconds = []
-    for _ in range(1 + TRIAL_STEPS):
+    _step(strategy, batch)  # its first transfers set up connections and allocate buffers
+    seconds: list[float] = []
+    while len(seconds) < TRIAL_STEPS:
         began = time.perf_counter()
         _step(strategy, batch)
-        seconds.append(time.perf_counter() - began)
-    changed = any(not torch.equal(b, k) for b, k in zip(buffers, kept, strict=True))
-    for b, k in zip(buffers, kept, strict=True):
-        b.data.copy_(k)
-    figures = torch.tensor(
-        [statistics.median(seconds[1:]), float(changed)],
+        took = torch.tensor(
+            [time.perf_counter() - began], dtype=torch.float64, device=strategy.root_device
+        )
+        all_reduce_(took)
+        seconds.append(float(took.item()) / strategy.world_size)
+        if fastest_s is not None and out_of_race(seconds, fastest_s, strategy.device_gain):
+            break
+    changed = torch.tensor(
+        [float(any(not torch.equal(b, k) for b, k in zip(buffers, kept, strict=True)))],
         dtype=torch.float64,
         device=strategy.root_device,
     )
-    all_reduce_(figures)
-    return None if figures[1].item() else float(figures[0].item()) / strategy.world_size
+    for b, k in zip(buffers, kept, strict=True):
+        b.data.copy_(k)
+    all_reduce_(changed)
+    return (None if changed.item() else statistics.median(seconds)), len(seconds)
 
 
 def _step(strategy: TrialStrategy, batch: Any) -> None:
@@ -199,15 +217,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _report(candidates: list[Plan], timed: list[float], best: int) -> str:
+def _report(candidates: list[Plan], timed: list[float], counts: list[int], best: int) -> str:
     lines = [
-        f"DeepCEE: plan trial, {TRIAL_STEPS} timed steps each (forward and backward, no "
-        f"optimizer step; median, mean over ranks):"
+        f"DeepCEE: plan trial, up to {TRIAL_STEPS} timed steps each (forward and backward, no "
+        f"optimizer step; median of each step's mean over ranks; a rival whose fastest step is "
+        f"{RACE_MARGIN:.0%} beyond device_gain slower than the fastest plan stops early):"
     ]
     for index, (plan, seconds) in enumerate(zip(candidates, timed, strict=False)):
         name = "searched" if index == 0 else f"rival {index}"
         mark = "  <- trains" if index == best else ""
         measured = "stopped" if seconds == float("inf") else f"{seconds * 1e3:.1f} ms"
+        if seconds != float("inf") and counts[index] < TRIAL_STEPS:
+            measured += f" (out of the race after {counts[index]} step(s))"
         lines.append(
             f"  {name:>8}: {measured}, predicted {plan.predicted_step_time_s * 1e3:.1f} ms: "
             f"{layout_line(plan, plan.num_microbatches)}{mark}"

@@ -157,6 +157,7 @@ def profile_cluster(
     cached = _cache_file(device_cache, model_fp, moved, device)
     began = time.perf_counter()
     timings = _load_timings(cached)
+    kept_s = _age_s(cached) if timings is not None else None
     if timings is None:
         timings = measure_blocks(
             blocks,
@@ -188,10 +189,14 @@ def profile_cluster(
         "timings": timings,
         "cpu_quota": _cpu_quota(device),
         "blocks_s": blocks_s,
+        "kept_s": kept_s,
     }
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, local, group=group)
     if rank_zero and progress is not None:
+        kept = kept_line([record.get("kept_s") for record in gathered], hosts)
+        if kept:
+            progress(kept)
         progress(f"DeepCEE: measuring the links of {world} devices (at most {budget_s:g} s)")
     network = measure_network(
         group=group,
@@ -314,6 +319,35 @@ def _cache_file(
     )  # fmt: skip
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return Path(directory) / f"{device_identity()}-{digest}.json"
+
+
+def kept_line(kept_s: Sequence[float | None], hosts: Sequence[str]) -> str:
+    """The console line that names the devices whose block timings came from ``device_cache``
+    and how old they are (``kept_s[rank]``: seconds, ``None`` where measured now); empty when
+    every device measured."""
+    kept = [(rank, age) for rank, age in enumerate(kept_s) if age is not None]
+    if not kept:
+        return ""
+
+    def age(seconds: float) -> str:
+        for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+            if seconds >= size:
+                return f"{seconds / size:.1f} {unit}"
+        return f"{seconds:.0f} s"
+
+    listed = ", ".join(f"{hosts[rank]} (rank {rank}) {age(s)} old" for rank, s in kept)
+    return (
+        f"DeepCEE: block timings kept from an earlier profile (device_cache) on {len(kept)} of "
+        f"{len(kept_s)} devices: {listed}; the others measured now, every link measured now"
+    )
+
+
+def _age_s(path: Path | None) -> float | None:
+    """Seconds since ``path`` was written (``None`` when it cannot be read)."""
+    try:
+        return max(0.0, time.time() - path.stat().st_mtime) if path is not None else None
+    except OSError:
+        return None
 
 
 def _load_timings(path: Path | None) -> BlockTimings | None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from lightning_deepcee.planner import Plan, predict_plan
-from lightning_deepcee.planner.rivals import choose_rivals, pick_timed, rival_plans
+from lightning_deepcee.planner.rivals import choose_rivals, out_of_race, pick_timed, rival_plans
 from lightning_deepcee.planner.search import make_plan, plan_search
 from lightning_deepcee.profiler.data import ClusterProfile
 from tests.helpers.clusters import make_profile, two_zones
@@ -196,3 +196,14 @@ def test_pick_timed_applies_the_searchs_rule_to_the_clock() -> None:
     assert pick_timed([six, two], [0.96, 1.0], device_gain=0.0) == 0
     with pytest.raises(ValueError, match="2 plans and 1 timings"):
         pick_timed([two, six], [1.0], device_gain=0.05)
+
+
+def test_a_rival_leaves_the_race_only_when_its_fastest_step_is_far_beyond_the_fastest() -> None:
+    # device_gain 0.05 + RACE_MARGIN 0.30: out beyond 1.35x the fastest median.
+    assert not out_of_race([], 1.0, device_gain=0.05)
+    assert not out_of_race([1.34], 1.0, device_gain=0.05)
+    assert out_of_race([1.36], 1.0, device_gain=0.05)
+    assert not out_of_race([2.0, 1.2], 1.0, device_gain=0.05)  # one stalled step is not enough
+    # A larger device_gain keeps slower plans in: pick_timed may still take one with fewer devices.
+    assert not out_of_race([1.5], 1.0, device_gain=0.25)
+    assert out_of_race([1.6], 1.0, device_gain=0.25)

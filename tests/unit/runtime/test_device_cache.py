@@ -27,7 +27,12 @@ def one_rank() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _profile(cache: Path | None, monkeypatch: pytest.MonkeyPatch, calls: list[int]) -> float:
+def _profile(
+    cache: Path | None,
+    monkeypatch: pytest.MonkeyPatch,
+    calls: list[int],
+    lines: list[str] | None = None,
+) -> float:
     def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(1)
         return MEASURE(*args, **kwargs)
@@ -36,7 +41,13 @@ def _profile(cache: Path | None, monkeypatch: pytest.MonkeyPatch, calls: list[in
     torch.manual_seed(0)
     blocks = [nn.Linear(8, 8), nn.Linear(8, 4)]
     profile = cluster.profile_cluster(
-        blocks, torch.randn(4, 8), repeats=1, warmup=0, rounds=1, device_cache=cache
+        blocks,
+        torch.randn(4, 8),
+        repeats=1,
+        warmup=0,
+        rounds=1,
+        device_cache=cache,
+        progress=None if lines is None else lines.append,
     )
     return profile.devices[0].forward_s[0]
 
@@ -59,3 +70,25 @@ def test_a_device_reuses_its_own_timings(
     assert len(calls) == 3
     _profile(None, monkeypatch, calls)  # no cache: always measured
     assert len(calls) == 4
+
+
+def test_the_console_names_the_devices_whose_timings_were_kept_and_their_age(
+    one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setenv("DEEPCEE_DEVICE", "edge7")
+    measured: list[str] = []
+    _profile(tmp_path, monkeypatch, calls, measured)
+    assert not any("kept" in line for line in measured)
+    kept: list[str] = []
+    _profile(tmp_path, monkeypatch, calls, kept)
+    assert len(calls) == 1
+    (line,) = [line for line in kept if "kept" in line]
+    assert "on 1 of 1 devices: edge7 (rank 0)" in line and " s old" in line
+
+
+def test_kept_line_says_how_old_each_kept_figure_is() -> None:
+    hosts = ["cloud0", "edge0", "end0"]
+    line = cluster.kept_line([None, 150.0, 3 * 86400.0], hosts)
+    assert "on 2 of 3 devices: edge0 (rank 1) 2.5 min old, end0 (rank 2) 3.0 d old" in line
+    assert cluster.kept_line([None, None, None], hosts) == ""
