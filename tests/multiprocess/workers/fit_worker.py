@@ -135,11 +135,13 @@ def _watch_trial(
         plan_spread_module.plan_search = plan_search  # type: ignore[assignment]
     timed, trial = plan_trial._time_steps, plan_trial.trial_plans
 
-    def time_steps(strategy: Any, batch: Any) -> float | None:
-        seconds = timed(strategy, batch)
+    def time_steps(strategy: Any, batch: Any, fastest_s: float | None) -> tuple[float | None, int]:
+        seconds, count = timed(strategy, batch, fastest_s)
         first = not record["calls"]
         record["calls"].append(seconds)
-        return seconds + 1.0 if seconds is not None and first and slow_searched else seconds
+        if seconds is not None and first and slow_searched:
+            seconds += 1.0
+        return seconds, count
 
     def trial_plans(strategy: Any, trainer: pl.Trainer, count: int) -> Any:
         record["searched"] = strategy.plan.to_dict()
