@@ -14,6 +14,9 @@ initial weights), on the same data, with the same *global* batch per optimizer s
   ``deepcee`` system is the adapter-off arm).
 - ``deepcee-manual``: ``DeepCEEStrategy(schedule="1f1b", num_microbatches=M)``, one stage per
   device, parameter-balanced partition (planner ablation).
+- ``deepcee-dp``: ``DeepCEEStrategy(num_stages=1, num_microbatches=1, profile=True)``: data
+  parallelism over every device, as DDP runs it (the strategy's own replicas against DDP's; the
+  profile sizes the gradient buckets for the measured links).
 - ``ddp``: Lightning ``DDPStrategy``, per-device batch = global / N (DDP runs the multiple of N
   nearest to the global batch when N does not divide it).
 - ``pipe-gpipe`` / ``pipe-1f1b`` / ``pipe-zb``: plain ``torch.distributed.pipelining``
@@ -51,10 +54,10 @@ from harness import HERE, REPO, device_trainer, lab_command, main, worker_job, w
 if TYPE_CHECKING:  # the worker imports torch and Lightning only where it runs them
     from lightning_deepcee import DeepCEEStrategy
 
-LIGHTNING_SYSTEMS = ("deepcee", "deepcee-adapter", "deepcee-manual", "ddp")
+LIGHTNING_SYSTEMS = ("deepcee", "deepcee-adapter", "deepcee-manual", "deepcee-dp", "ddp")
 PIPE_SYSTEMS = ("pipe-gpipe", "pipe-1f1b", "pipe-zb")
 SYSTEMS = LIGHTNING_SYSTEMS + PIPE_SYSTEMS
-DEEPCEE_SYSTEMS = ("deepcee", "deepcee-adapter", "deepcee-manual")
+DEEPCEE_SYSTEMS = ("deepcee", "deepcee-adapter", "deepcee-manual", "deepcee-dp")
 REGION_SUBSETS = "ddp-regions"
 """Expands to ``ddp@<regions>`` for every region subset of :func:`region_subsets`."""
 
@@ -140,6 +143,18 @@ def _lightning_worker(args: argparse.Namespace) -> None:
             receive_ahead=args.receive_ahead == "on",
         )
         per_loader = g  # one pipeline replica: every rank reads the whole global batch
+    elif args.system == "deepcee-dp":
+        if g % world:
+            raise SystemExit(f"global batch {g} is not divisible by {world} devices")
+        strategy = DeepCEEStrategy(
+            num_stages=1,
+            num_microbatches=1,
+            schedule="1f1b",
+            profile=True,
+            profile_budget_s=args.profile_budget_s,
+            receive_ahead=args.receive_ahead == "on",
+        )
+        per_loader = g // world  # one replica per device, each reading its shard
     else:
         strategy = DeepCEEStrategy(schedule="1f1b", num_microbatches=args.microbatches)
         per_loader = g

@@ -182,12 +182,15 @@ class PipelineExecutor:
         forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = (
             contextlib.nullcontext
         ),
+        before_last_backward: Callable[[], None] | None = None,
     ) -> torch.Tensor | None:
         """Run the schedule once; returns the weighted loss sum on the last stage, else ``None``.
 
         ``microbatches`` are whole micro-batches (this rank takes its rows of each);
         ``total_rows`` is the step's sample count over all replicas, the loss denominator.
-        Gradients accumulate into the stage parameters' ``.grad``.
+        Gradients accumulate into the stage parameters' ``.grad``. ``before_last_backward``
+        runs right before the step's last action that computes weight gradients here (the
+        stage copies' bucketed gradient sum arms its hooks then).
         """
         self.router.begin_step([batch_size_of(mb) for mb in microbatches])
         states = [self._state(k, mb, total_rows) for k, mb in enumerate(microbatches)]
@@ -202,7 +205,7 @@ class PipelineExecutor:
         self.last_outputs = []
         meter = self._saved_meter()
         with meter or contextlib.nullcontext():
-            loss = self._run_actions(states, stats, forward_context)
+            loss = self._run_actions(states, stats, forward_context, before_last_backward)
         if meter is not None:
             stats.peak_saved_bytes = meter.peak_bytes
         stats.seconds_by_kind["WAIT_SENDS"] += self.transport.wait_sends()
@@ -225,13 +228,24 @@ class PipelineExecutor:
         states: Sequence[_MicroBatchState],
         stats: StepStats,
         forward_context: Callable[[], contextlib.AbstractContextManager[Any]],
+        before_last_backward: Callable[[], None] | None = None,
     ) -> torch.Tensor | None:
         """Every action of the schedule, in order; the weighted loss sum on the last stage."""
         loss: torch.Tensor | None = None
+        last_backward = max(
+            (
+                pos
+                for pos, a in enumerate(self.actions)
+                if a.kind in (K.W, K.BW) and states[a.microbatch].num_rows > 0
+            ),
+            default=-1,
+        )
         for pos, action in enumerate(self.actions):
             st = states[action.microbatch]
             if st.num_rows == 0:
                 continue  # this rank holds no rows of the micro-batch: nothing to do or send
+            if pos == last_backward and before_last_backward is not None:
+                before_last_backward()
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 with record_function(f"deepcee:{action}"):

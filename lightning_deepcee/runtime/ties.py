@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_deepcee.runtime.grad_buckets import BucketedGradSync
 from lightning_deepcee.runtime.stage import TiedParameter
 from lightning_deepcee.runtime.stage_groups import (
     broadcast_buffers,
@@ -115,13 +116,18 @@ def sync_copies(
     tie_groups: Sequence[TieGroup],
     buffers: Sequence[torch.Tensor],
     first_device: int,
+    buckets: BucketedGradSync | None = None,
 ) -> None:
-    """After a step's backward: sum the stage's gradients over its devices, and each tied
+    """After a step's backward: sum the stage's gradients over its devices (``buckets``, when
+    given, holds those of its untied parameters, some already under way), and each tied
     parameter's over every holder of the tie instead; give the stage's devices the first
     device's running statistics (``buffers``). Collective over those groups."""
     tied = {id(t.parameter) for t in tie_groups}
     if stage_group is not None:
-        sum_gradients([p for p in params if id(p) not in tied], stage_group)
+        if buckets is not None:
+            buckets.finish()
+        else:
+            sum_gradients([p for p in params if id(p) not in tied], stage_group)
         broadcast_buffers(buffers, first_device, stage_group)
     for tie in tie_groups:
         if tie.parameter.requires_grad:

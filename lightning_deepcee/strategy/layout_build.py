@@ -24,6 +24,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_deepcee._compat import mock_optimizer, optimizers_to_device
 from lightning_deepcee.planner import Plan
+from lightning_deepcee.profiler import ClusterProfile
 from lightning_deepcee.runtime.layout_text import layout_line
 from lightning_deepcee.strategy.stage_part import PipelineStagePart, ShardSource
 
@@ -35,6 +36,7 @@ class BuildHost(Protocol):
 
     stage_part: PipelineStagePart
     verbose: bool
+    cluster_profile: ClusterProfile | None
     optimizers: list[torch.optim.Optimizer]
     lr_scheduler_configs: list[LRSchedulerConfig]
 
@@ -99,6 +101,7 @@ def build_layout(
         place=place,
         fresh=shards is None,
         forward_context=lambda: host.precision_plugin.forward_context(),
+        profile=host.cluster_profile,
     )
     if fitting and host.is_idle:
         # Nothing to optimise: Lightning's own stand-in for "no optimizer" keeps the loop

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_deepcee.planner import Plan
+from lightning_deepcee.profiler import ClusterProfile
 from lightning_deepcee.runtime import (
     PipelineExecutor,
     PipelineSpec,
@@ -37,6 +38,7 @@ from lightning_deepcee.runtime import (
 from lightning_deepcee.runtime.batch_statistics import batch_dependent_modules
 from lightning_deepcee.runtime.checkpoint import repartition
 from lightning_deepcee.runtime.executors import Executors, build_executors
+from lightning_deepcee.runtime.grad_buckets import BucketedGradSync, bucket_bytes_for
 from lightning_deepcee.runtime.layout_text import describe
 from lightning_deepcee.runtime.relayout import move_shards, routes
 from lightning_deepcee.runtime.stage import TiedParameter, tied_parameters
@@ -91,6 +93,8 @@ class PipelineStagePart:
         self._stage_group: Any = None
         self._tie_groups: list[TieGroup] = []
         """This rank's tied parameters that span stages, with the group of their holders."""
+        self._grad_buckets: BucketedGradSync | None = None
+        """The stage copies' gradient sum, bucketed and started during the last backward."""
         self._synced_buffers: list[torch.Tensor] = []
         """Running statistics of this stage's BatchNorm modules, kept equal across its devices."""
         self._executors: Executors | None = None
@@ -130,6 +134,7 @@ class PipelineStagePart:
         place: Callable[[], None],
         fresh: bool,
         forward_context: Callable[[], AbstractContextManager[Any]],
+        profile: ClusterProfile | None = None,
     ) -> None:
         """Build (or rebuild) this rank's part of ``plan`` on the adopted module. Collective.
 
@@ -137,7 +142,9 @@ class PipelineStagePart:
         moves the blocks this rank does not run off the accelerator, calls ``place`` (the
         strategy puts the module on its device under its precision), gives the devices sharing
         a stage or a tied parameter the same initial weights when ``fresh`` (no state is loaded
-        after), and lowers, validates and wraps the schedule in executors.
+        after), and lowers, validates and wraps the schedule in executors. The stage copies'
+        gradient sum is bucketed for the links of ``profile`` (when measured) between them
+        (:mod:`~lightning_deepcee.runtime.grad_buckets`).
         """
         module, spec = self._module, self.spec
         assert module is not None and spec is not None
@@ -168,6 +175,14 @@ class PipelineStagePart:
         if fresh and not where.idle:
             broadcast_initial_weights(
                 self.stage.blocks, placement[where.stage_index], self._stage_group, self._tie_groups
+            )
+        self._grad_buckets = None
+        if self._stage_group is not None:
+            tied = {id(t.parameter) for t in self._tie_groups}
+            untied = [p for p in self.stage.parameters() if id(p) not in tied]
+            bucket_bytes = bucket_bytes_for(profile, placement[where.stage_index])
+            self._grad_buckets = BucketedGradSync(
+                untied, self._stage_group, bucket_bytes=bucket_bytes
             )
         self._build_executors()
 
@@ -341,7 +356,10 @@ class PipelineStagePart:
         total = batch_size_of(batch)
         micro = split_batch(batch, split_sizes(total, self.num_microbatches))
         weight = total if kind == "predict" else total * self.where.num_replicas
-        return executor.run(micro, weight, forward_context=self._forward_context)
+        arm = self._grad_buckets.arm if kind == "train" and self._grad_buckets else None
+        return executor.run(
+            micro, weight, forward_context=self._forward_context, before_last_backward=arm
+        )
 
     def sync_copies(self) -> float:
         """After a training step's schedule: sum the gradients of this stage's copies (devices
@@ -358,6 +376,7 @@ class PipelineStagePart:
             self._tie_groups,
             self._synced_buffers,
             where.stages[where.stage_index][0],
+            self._grad_buckets,
         )
         return time.perf_counter() - began
 
