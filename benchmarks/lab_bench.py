@@ -687,7 +687,7 @@ def render(result: dict[str, Any]) -> str:
         layouts = []
         devices = next((r["devices"] for r in runs if "devices" in r), None)
         for r in (r for r in runs if "samples_per_s" in r):
-            if "predicted_step_s" in r:
+            if r.get("predicted_step_s"):  # a manual layout predicts nothing (0)
                 measured = r["global_batch"] / r["samples_per_s"]
                 predicted = r["predicted_step_s"]
                 window = r["step_times_s"][-r["window_steps"] :]
