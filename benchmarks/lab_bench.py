@@ -16,7 +16,9 @@ initial weights), on the same data, with the same *global* batch per optimizer s
   device, parameter-balanced partition (planner ablation).
 - ``deepcee-dp``: ``DeepCEEStrategy(num_stages=1, num_microbatches=1, profile=True)``: data
   parallelism over every device, as DDP runs it (the strategy's own replicas against DDP's; the
-  profile sizes the gradient buckets for the measured links).
+  profile sizes the gradient buckets for the measured links). ``deepcee-dp-flat``: the same with
+  one bucket (``DEEPCEE_GRAD_BUCKET_MB=inf``), summed when backward is over: the buckets'
+  ablation.
 - ``ddp``: Lightning ``DDPStrategy``, per-device batch = global / N (DDP runs the multiple of N
   nearest to the global batch when N does not divide it).
 - ``pipe-gpipe`` / ``pipe-1f1b`` / ``pipe-zb``: plain ``torch.distributed.pipelining``
@@ -54,10 +56,17 @@ from harness import HERE, REPO, device_trainer, lab_command, main, worker_job, w
 if TYPE_CHECKING:  # the worker imports torch and Lightning only where it runs them
     from lightning_deepcee import DeepCEEStrategy
 
-LIGHTNING_SYSTEMS = ("deepcee", "deepcee-adapter", "deepcee-manual", "deepcee-dp", "ddp")
+LIGHTNING_SYSTEMS = (
+    "deepcee",
+    "deepcee-adapter",
+    "deepcee-manual",
+    "deepcee-dp",
+    "deepcee-dp-flat",
+    "ddp",
+)
 PIPE_SYSTEMS = ("pipe-gpipe", "pipe-1f1b", "pipe-zb")
 SYSTEMS = LIGHTNING_SYSTEMS + PIPE_SYSTEMS
-DEEPCEE_SYSTEMS = ("deepcee", "deepcee-adapter", "deepcee-manual", "deepcee-dp")
+DEEPCEE_SYSTEMS = ("deepcee", "deepcee-adapter", "deepcee-manual", "deepcee-dp", "deepcee-dp-flat")
 REGION_SUBSETS = "ddp-regions"
 """Expands to ``ddp@<regions>`` for every region subset of :func:`region_subsets`."""
 
@@ -143,7 +152,9 @@ def _lightning_worker(args: argparse.Namespace) -> None:
             receive_ahead=args.receive_ahead == "on",
         )
         per_loader = g  # one pipeline replica: every rank reads the whole global batch
-    elif args.system == "deepcee-dp":
+    elif args.system in ("deepcee-dp", "deepcee-dp-flat"):
+        if args.system == "deepcee-dp-flat":
+            os.environ["DEEPCEE_GRAD_BUCKET_MB"] = "inf"  # one bucket, after backward
         if g % world:
             raise SystemExit(f"global batch {g} is not divisible by {world} devices")
         strategy = DeepCEEStrategy(

@@ -23,12 +23,17 @@ back every bucket after it.
 Bucket size: a bucket's all-reduce pays the link latency once per ring step, so buckets are
 large enough that the latency stays a tenth of the transfer on the group's slowest link
 (:func:`bucket_bytes_for`), between 1 MiB and DDP's 25 MiB (25 MiB without a profile).
+``$DEEPCEE_GRAD_BUCKET_MB`` sets the cap instead (``inf``: one bucket, started when the step's
+backward is over: the sum without overlap, for an ablation).
 
 Runtime layer: torch and torch.distributed, never lightning.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +46,16 @@ from lightning_deepcee._compat import flatten_dense_tensors, unflatten_dense_ten
 from lightning_deepcee.profiler.data import ClusterProfile
 from lightning_deepcee.runtime.transport import start_all_reduce
 
-__all__ = ["MAX_BUCKET_BYTES", "MIN_BUCKET_BYTES", "BucketedGradSync", "bucket_bytes_for"]
+__all__ = [
+    "BUCKET_ENV",
+    "MAX_BUCKET_BYTES",
+    "MIN_BUCKET_BYTES",
+    "BucketedGradSync",
+    "bucket_bytes_for",
+]
+
+BUCKET_ENV = "DEEPCEE_GRAD_BUCKET_MB"
+"""Environment variable that sets the bucket cap in MiB (``inf``: one bucket)."""
 
 MIN_BUCKET_BYTES = 2**20
 MAX_BUCKET_BYTES = 25 * 2**20
@@ -54,7 +68,19 @@ def bucket_bytes_for(profile: ClusterProfile | None, ranks: Sequence[int]) -> in
     """Bucket cap for the group of ``ranks``: a ring all-reduce of ``B`` bytes over ``n`` devices
     takes ``2(n-1)`` latencies and moves ``2(n-1)/n * B`` bytes over the slowest link, so the
     latency is :data:`LATENCY_SHARE` of it when ``B = n * latency * bandwidth / share`` (the
-    group's largest latency, its smallest bandwidth), clamped to 1-25 MiB."""
+    group's largest latency, its smallest bandwidth), clamped to 1-25 MiB;
+    ``$DEEPCEE_GRAD_BUCKET_MB`` when set."""
+    setting = os.environ.get(BUCKET_ENV, "").strip()
+    if setting:
+        try:
+            mib = float(setting)
+        except ValueError:
+            mib = math.nan
+        if not mib > 0:
+            raise ValueError(
+                f"${BUCKET_ENV}: expected a positive number of MiB or inf, got {setting!r}"
+            )
+        return sys.maxsize if math.isinf(mib) else max(1, int(mib * 2**20))
     if profile is None or len(ranks) < 2:
         return MAX_BUCKET_BYTES
     pairs = [(a, b) for a in ranks for b in ranks if a != b]

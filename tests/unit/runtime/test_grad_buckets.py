@@ -28,3 +28,17 @@ def test_buckets_are_large_where_the_links_are_slow_to_answer() -> None:
 def test_a_bucket_cap_must_be_positive() -> None:
     with pytest.raises(ValueError, match="bucket_bytes"):
         BucketedGradSync([], None, bucket_bytes=0)
+
+
+def test_the_environment_sets_the_cap_and_a_bad_value_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lan = make_profile(speeds=[1.0] * 2, num_blocks=2, bandwidth=125e6, latency=0.0001)
+    monkeypatch.setenv("DEEPCEE_GRAD_BUCKET_MB", "4")
+    assert bucket_bytes_for(lan, [0, 1]) == 4 * 2**20
+    monkeypatch.setenv("DEEPCEE_GRAD_BUCKET_MB", "inf")
+    assert bucket_bytes_for(None, [0, 1]) > 2**40  # one bucket for any model
+    for bad in ("0", "-1", "lots"):
+        monkeypatch.setenv("DEEPCEE_GRAD_BUCKET_MB", bad)
+        with pytest.raises(ValueError, match="DEEPCEE_GRAD_BUCKET_MB"):
+            bucket_bytes_for(lan, [0, 1])
