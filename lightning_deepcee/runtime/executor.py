@@ -232,19 +232,22 @@ class PipelineExecutor:
     ) -> torch.Tensor | None:
         """Every action of the schedule, in order; the weighted loss sum on the last stage."""
         loss: torch.Tensor | None = None
-        last_backward = max(
-            (
-                pos
-                for pos, a in enumerate(self.actions)
-                if a.kind in (K.W, K.BW) and states[a.microbatch].num_rows > 0
-            ),
-            default=-1,
-        )
+        last_backward = -1  # where before_last_backward runs (looked up only when given)
+        if before_last_backward is not None:
+            last_backward = max(
+                (
+                    pos
+                    for pos, a in enumerate(self.actions)
+                    if a.kind in (K.W, K.BW) and states[a.microbatch].num_rows > 0
+                ),
+                default=-1,
+            )
         for pos, action in enumerate(self.actions):
             st = states[action.microbatch]
             if st.num_rows == 0:
                 continue  # this rank holds no rows of the micro-batch: nothing to do or send
-            if pos == last_backward and before_last_backward is not None:
+            if pos == last_backward:
+                assert before_last_backward is not None
                 before_last_backward()
             t0, c0 = time.perf_counter(), time.thread_time()
             try:

@@ -22,7 +22,7 @@ from lightning_deepcee.cli import main as deepcee_main
 from lightning_deepcee.lab.network import LabNetwork
 from lightning_deepcee.lab.runner import RunConfig, run_command
 from lightning_deepcee.lab.state import StateStore
-from lightning_deepcee.lab.topology import load_topology
+from lightning_deepcee.lab.topology import Topology, load_topology
 from lightning_deepcee.planner import Plan
 from lightning_deepcee.profiler import ClusterProfile
 from tests.helpers.paths import ROOT
@@ -62,6 +62,17 @@ def _workdir(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def _run_on_sites(topology: Topology, config: RunConfig, store: StateStore) -> tuple[str, str]:
+    """Run ``config`` on the lab; every device must exit 0. Returns the first site's log and
+    every device's log tail (for assertion messages)."""
+    with LabNetwork(topology, store=store) as net:
+        result = run_command(net, config)
+    logs = {d.name: Path(d.log_path).read_text() for d in result.devices}
+    dump = "\n".join(f"== {k}\n{v[-3000:]}" for k, v in logs.items())
+    assert result.returncode == 0, dump
+    return logs[topology.devices[0].name], dump
+
+
 def test_the_readme_commands_train_across_three_regions(
     lab_store: StateStore, tmp_path: Path
 ) -> None:
@@ -79,12 +90,7 @@ def test_the_readme_commands_train_across_three_regions(
         timeout_s=400,
         echo=False,
     )
-    with LabNetwork(topology, store=lab_store) as net:
-        result = run_command(net, config)
-    logs = {d.name: Path(d.log_path).read_text() for d in result.devices}
-    dump = "\n".join(f"== {k}\n{v[-3000:]}" for k, v in logs.items())
-    assert result.returncode == 0, dump
-    site0 = logs[topology.devices[0].name]
+    site0, dump = _run_on_sites(topology, config, lab_store)
     for line in ("DeepCEE cluster profile:", "DeepCEE plan:", "device sets scored"):
         assert line in site0, dump
     assert "`Trainer.fit` stopped: `max_steps=12` reached" in site0, dump
@@ -108,12 +114,7 @@ def test_deepcee_profile_measures_without_training_then_deepcee_plan_plans(
     config = RunConfig(
         command=command, out_dir=tmp_path / "logs", cwd=str(tmp_path), timeout_s=400, echo=False
     )
-    with LabNetwork(topology, store=lab_store) as net:
-        result = run_command(net, config)
-    logs = {d.name: Path(d.log_path).read_text() for d in result.devices}
-    dump = "\n".join(f"== {k}\n{v[-3000:]}" for k, v in logs.items())
-    assert result.returncode == 0, dump
-    site0 = logs[topology.devices[0].name]
+    site0, dump = _run_on_sites(topology, config, lab_store)
     assert "`Trainer.fit` stopped: `max_steps=0` reached" in site0, dump
     profile_path = tmp_path / "runs" / "sites" / "deepcee" / "profile.json"
     profile = ClusterProfile.from_json(profile_path)
