@@ -12,6 +12,8 @@ initial weights), on the same data, with the same *global* batch per optimizer s
 - ``deepcee``: ``DeepCEEStrategy()`` -- profile devices and links at setup, search a plan, run it.
 - ``deepcee-adapter``: the same plus the ``DynamicEnvironmentAdapter`` callback (adapter on; the
   ``deepcee`` system is the adapter-off arm).
+- ``deepcee-zip``: ``DeepCEEStrategy(compression="auto")``: the planner may compress each
+  pipeline hop where the link makes it pay (``deepcee`` is the compression-off arm).
 - ``deepcee-manual``: ``DeepCEEStrategy(schedule="1f1b", num_microbatches=M)``, one stage per
   device, parameter-balanced partition (planner ablation).
 - ``deepcee-dp``: ``DeepCEEStrategy(num_stages=1, num_microbatches=1, profile=True)``: data
@@ -62,11 +64,19 @@ LIGHTNING_SYSTEMS = (
     "deepcee-manual",
     "deepcee-dp",
     "deepcee-dp-flat",
+    "deepcee-zip",
     "ddp",
 )
 PIPE_SYSTEMS = ("pipe-gpipe", "pipe-1f1b", "pipe-zb")
 SYSTEMS = LIGHTNING_SYSTEMS + PIPE_SYSTEMS
-DEEPCEE_SYSTEMS = ("deepcee", "deepcee-adapter", "deepcee-manual", "deepcee-dp", "deepcee-dp-flat")
+DEEPCEE_SYSTEMS = (
+    "deepcee",
+    "deepcee-adapter",
+    "deepcee-manual",
+    "deepcee-dp",
+    "deepcee-dp-flat",
+    "deepcee-zip",
+)
 REGION_SUBSETS = "ddp-regions"
 """Expands to ``ddp@<regions>`` for every region subset of :func:`region_subsets`."""
 
@@ -143,13 +153,14 @@ def _lightning_worker(args: argparse.Namespace) -> None:
             raise SystemExit(f"global batch {g} is not divisible by {world} devices")
         strategy: Any = DDPStrategy(process_group_backend="gloo")
         per_loader = g // world
-    elif args.system in ("deepcee", "deepcee-adapter"):
+    elif args.system in ("deepcee", "deepcee-adapter", "deepcee-zip"):
         # Automatic profile + plan (or --plan: a saved plan, no profiling or search). Only the
         # profiling time budget is raised (default 60 s).
         strategy = DeepCEEStrategy(
             plan=args.plan,
             profile_budget_s=args.profile_budget_s,
             receive_ahead=args.receive_ahead == "on",
+            compression="auto" if args.system == "deepcee-zip" else "off",
         )
         per_loader = g  # one pipeline replica: every rank reads the whole global batch
     elif args.system in ("deepcee-dp", "deepcee-dp-flat"):
@@ -633,6 +644,9 @@ def _layout(cfg: dict[str, Any], r: dict[str, Any]) -> str:
     idle = (r.get("plan") or {}).get("idle_ranks") or []
     if idle:
         layout += ", idle " + ",".join(str(x) for x in idle)
+    hops = (r.get("plan") or {}).get("hop_compression") or []
+    if any(h != "off" for h in hops):
+        layout += ", hops " + " ".join(hops)
     return layout
 
 

@@ -8,8 +8,9 @@ What it writes:
 - ``benchmarks/results/<name>.md`` for every ``<name>.json`` there, rendered by the benchmark
   that wrote the JSON (``lab_bench.render``, ``adapter_bench.render``, ``tta_bench.render``,
   ``elastic_bench.render``, ``planner_cases.render``, ``plan_scaling.render``,
-  ``profile_lab.report``); a JSON with ``rows`` is data for ``fit_cpu_floor.py`` and has no
-  table. ``profile_spread.md`` is ``profile_spread.py`` run on the ``CURRENT`` benchmarks.
+  ``codec_speed.render``, ``profile_lab.report``); a JSON with ``rows`` is data for
+  ``fit_cpu_floor.py`` and has no table. ``profile_spread.md`` is ``profile_spread.py`` run on
+  the ``CURRENT`` benchmarks.
 - In ``README.md`` and ``docs/*.md``, the text between ``<!-- report:NAME -->`` and
   ``<!-- /report:NAME -->``: NAME is a table above (by file stem, without its ``#`` title) or
   one of the summaries of ``SUMMARIES``. Links inside a block are relative to its document.
@@ -36,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import adapter_bench  # noqa: E402
+import codec_speed  # noqa: E402
 import elastic_bench  # noqa: E402
 import fit_cpu_floor  # noqa: E402
 import lab_bench  # noqa: E402
@@ -79,6 +81,8 @@ def _render(data: dict[str, Any]) -> str | None:
         return planner_cases.render(data)
     if "plan_search_s" in data:
         return plan_scaling.render(data)
+    if "adam_s_per_byte" in data:
+        return codec_speed.render(data)
     if "modes" in data:
         return adapter_bench.render(data)
     if "arms" in data:

@@ -10,8 +10,8 @@ priority (``nice 19``) and, under a quota, spends at most ``share`` of each peri
 the rest to the training process and its communication threads.
 
 Request and outcome are JSON files in a temporary folder: the request holds the observed
-profile, the running plan, the margin and the strategy's ``device_gain``; the outcome is
-:meth:`ReplanChoice.to_dict` or ``{"error": ...}``.
+profile, the running plan, the margin and the strategy's ``device_gain`` and ``compression``;
+the outcome is :meth:`ReplanChoice.to_dict` or ``{"error": ...}``.
 ``python -m lightning_deepcee.adapter.search_process FOLDER`` runs one.
 """
 
@@ -43,6 +43,7 @@ def run(request: Mapping[str, Any]) -> dict[str, Any]:
     """The search itself: ``choose_replan`` on the request's profile and plan, as a dict."""
     from lightning_deepcee.adapter.replan import choose_replan
     from lightning_deepcee.planner.plan import Plan
+    from lightning_deepcee.planner.prediction import CostModelConfig
     from lightning_deepcee.planner.search import DEVICE_GAIN, plan_search
     from lightning_deepcee.profiler.data import ClusterProfile
 
@@ -54,7 +55,11 @@ def run(request: Mapping[str, Any]) -> dict[str, Any]:
         profile,
         current,
         gain=float(request["gain"]),
-        search=functools.partial(plan_search, device_gain=device_gain),
+        search=functools.partial(
+            plan_search,
+            device_gain=device_gain,
+            config=CostModelConfig(compression=tuple(request.get("compression", ()))),
+        ),
         current_s=None if clocked is None else float(clocked),
     ).to_dict()
 

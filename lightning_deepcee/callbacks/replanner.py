@@ -202,7 +202,7 @@ class Replanner:
             search.job = SearchProcess(
                 {"profile": observed.to_dict(), "plan": current.to_dict(), "gain": gain,
                  "current_s": current_s, "device_gain": strategy.device_gain,
-                 **_pacing(host.search_cpu_share)}
+                 "compression": list(strategy.compression), **_pacing(host.search_cpu_share)}
             )  # fmt: skip
         self.search = search
         why = (

@@ -32,6 +32,8 @@ class AdaptableStrategy(Protocol):
     measured, a revert puts the previous one back."""
     device_gain: float
     """The search's margin for using more devices (``DeepCEEStrategy(device_gain=...)``)."""
+    compression: tuple[str, ...]
+    """The methods a re-plan may choose per hop (``DeepCEEStrategy(compression=...)``)."""
 
     @property
     def plan(self) -> Plan | None:

@@ -67,6 +67,13 @@ evaluator instead. The model, stated once:
   quota-limited device to itself looks free of the work outside its blocks, which at a small
   quota can be the whole step. Devices without a quota are not charged (a host that is not held
   back does that work in its waits).
+- **Compression.** A hop may carry its float32 activation and gradient compressed
+  (``Plan.hop_compression``; :mod:`~lightning_deepcee.planner.compression`): its bytes shrink
+  by the method's ratio, and each of its two stages pays an encode and a decode per
+  micro-batch, ``cost_factor`` times its slowest device's optimizer seconds per byte per value
+  of its share, half on F and half on B (:mod:`~lightning_deepcee.planner.hops`). The search
+  picks, per hop, the allowed method that moves the hop fastest with its codec time
+  (``CostModelConfig.compression``); the host-CPU floor counts the compressed bytes.
 - **All-reduce.** After its last W, each stage's group all-reduces its gradients with a ring:
   ``2 (n-1)/n * parameter_bytes / min_bandwidth + 2 (n-1) * max_latency`` over the group's pairs.
   The slowest stage's all-reduce is added to the step.

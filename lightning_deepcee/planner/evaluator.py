@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from lightning_deepcee.planner.compression import METHODS
+from lightning_deepcee.planner.hops import HopCodecs
 from lightning_deepcee.planner.plan import Plan, StagePlan
 from lightning_deepcee.planner.prediction import CostModelConfig, Prediction
 from lightning_deepcee.planner.profile_arrays import ProfileArrays
@@ -125,6 +127,8 @@ class Evaluator:
         self._transfers: dict[tuple[Any, ...], float] = {}
         self._stages: dict[tuple[Any, ...], tuple[float, ...]] = {}
         self._shares: dict[tuple[Any, ...], tuple[float, ...] | None] = {}
+        self.hops = HopCodecs(self.arrays, self.config, self.transfer_time_s)
+        """Each hop's compression: its bytes, its codec's time, the choice (``choose_hops``)."""
 
     def __getstate__(self) -> dict[str, Any]:
         """The evaluator without its memos (a spread search hands it to other processes)."""
@@ -301,15 +305,22 @@ class Evaluator:
     # Stage costs and prediction
     # ----------------------------------------------------------------------------------------
 
-    def stage_costs(self, stages: Sequence[StagePlan], *, microbatch_size: float) -> StageCosts:
+    def stage_costs(
+        self,
+        stages: Sequence[StagePlan],
+        *,
+        microbatch_size: float,
+        hops: Sequence[str] | None = None,
+    ) -> StageCosts:
         """Simulator costs of one micro-batch of ``microbatch_size`` samples on each stage.
 
         ``activation_bytes`` is what a whole micro-batch's F saves on the stage until its W, and
         ``transient_bytes`` what its F, B or W needs beyond that while it runs (each device
         holds its share of both); ``static_memory_bytes`` is left unset (:meth:`predict` adds
-        the parameter state per device). Transfers carry the boundary block's output bytes.
+        the parameter state per device). Transfers carry the boundary block's output bytes,
+        compressed by each hop's method (``hops``; ``None``: :meth:`choose_hops`), whose encode
+        and decode are charged to both stages' F and B.
         """
-        arrays = self.arrays
         self.check_stages(stages)
         b = microbatch_size
         last = len(stages) - 1
@@ -319,11 +330,18 @@ class Evaluator:
         forward, backward_input, backward_weight, share, period, activation, transient = (
             [row[k] for row in rows] for k in range(7)
         )
+        if hops is None:
+            hops = self.choose_hops(stages, b)
         send_forward, send_backward = [], []
-        for sender, receiver in itertools.pairwise(stages):
-            num_bytes = float(arrays.activation[sender.block_range[1] - 1]) * b
-            send_forward.append(self.transfer_time_s(sender, receiver, num_bytes))
-            send_backward.append(self.transfer_time_s(receiver, sender, num_bytes))
+        for h, (sender, receiver) in enumerate(itertools.pairwise(stages)):
+            method = METHODS[hops[h] if hops else "off"]
+            num_bytes = self.hops.boundary_bytes(sender, b)
+            send_forward.append(self.transfer_time_s(sender, receiver, num_bytes * method.ratio))
+            send_backward.append(self.transfer_time_s(receiver, sender, num_bytes * method.ratio))
+            for s in (h, h + 1):  # each side encodes one direction and decodes the other
+                codec_s = self.hops.codec_time_s(stages[s], method, num_bytes) / 2
+                forward[s] += codec_s
+                backward_input[s] += codec_s
         return StageCosts(
             forward_s=tuple(forward),
             backward_input_s=tuple(backward_input),
@@ -332,9 +350,13 @@ class Evaluator:
             transient_bytes=tuple(transient),
             send_forward_s=tuple(send_forward),
             send_backward_s=tuple(send_backward),
-            cpu_share=tuple(share) if arrays.has_quota else None,
-            cpu_period_s=tuple(period) if arrays.has_quota else None,
+            cpu_share=tuple(share) if self.arrays.has_quota else None,
+            cpu_period_s=tuple(period) if self.arrays.has_quota else None,
         )
+
+    def choose_hops(self, stages: Sequence[StagePlan], b: float) -> tuple[str, ...]:
+        """:meth:`HopCodecs.choose`: each hop's compression for micro-batches of ``b``."""
+        return self.hops.choose(stages, b)
 
     def _stage_cost(self, stage: StagePlan, b: float, moves: int) -> tuple[float, ...]:
         """One stage's ``(F, B, W, cpu share, cpu period, saved bytes, transient bytes)`` for a
@@ -422,13 +444,15 @@ class Evaluator:
         *,
         stage_schedule: StageSchedule | None = None,
         breakdown: bool = True,
+        hops: Sequence[str] | None = None,
     ) -> Prediction:
         """Predict one optimizer step of ``stages`` under ``schedule``.
 
         The micro-batch size is ``global_batch_size / num_microbatches`` (the mean, when the
         division is not exact). ``schedule="compact"`` needs its actions in ``stage_schedule``;
         the other kinds are generated. ``breakdown=False`` skips the second simulation that
-        measures ``transfer_s`` (left 0), which the search does not need.
+        measures ``transfer_s`` (left 0), which the search does not need. ``hops``: each hop's
+        compression method (``()``: none); ``None`` chooses them (:meth:`choose_hops`).
         """
         m = num_microbatches
         if schedule == "compact":
@@ -451,7 +475,8 @@ class Evaluator:
             )
         arrays = self.arrays
         b = global_batch_size / m
-        costs = self.stage_costs(stages, microbatch_size=b)
+        hops = self.choose_hops(stages, b) if hops is None else tuple(hops)
+        costs = self.stage_costs(stages, microbatch_size=b, hops=hops)
         pipeline_s, bubble, activation_peak = self._simulate(costs, schedule, m, stage_schedule)
         compute_s = m * max(
             f + bi + w
@@ -483,7 +508,7 @@ class Evaluator:
                 busy_s = m * (
                     costs.forward_s[s] + costs.backward_input_s[s] + costs.backward_weight_s[s]
                 )
-                floor_s = self._cpu_floor(stages, s, busy_s, rates * params, m * b)
+                floor_s = self._cpu_floor(stages, s, busy_s, rates * params, m * b, hops)
                 cpu_floor_s = max(cpu_floor_s, floor_s)
             per_row = activation_peak[s] / b  # the simulator's peak is for b rows
             peaks = np.round(
@@ -502,6 +527,7 @@ class Evaluator:
             optimizer_s=optimizer_s,
             over_memory_ranks=tuple(sorted(over)),
             cpu_floor_s=cpu_floor_s,
+            hop_compression=hops,
         )
 
     def predict_plan(self, plan: Plan) -> Prediction:
@@ -512,6 +538,7 @@ class Evaluator:
             plan.num_microbatches,
             plan.global_batch_size,
             stage_schedule=plan.stage_schedule() if plan.schedule == "compact" else None,
+            hops=plan.hop_compression,
         )
 
     def _cpu_floor(
@@ -521,6 +548,7 @@ class Evaluator:
         busy_s: float,
         optimizer_s: Array,
         samples: float,
+        hops: Sequence[str],
     ) -> float:
         """Longest time stage ``s``'s quota-limited devices need for a step: their compute
         (``busy_s``, at sustained speed) and optimizer step, plus the host CPU of the step and of
@@ -531,9 +559,11 @@ class Evaluator:
         start, end = stage.block_range
         boundary = 0.0  # bytes per sample crossing the stage's edges, each once forward, once back
         if s > 0:
-            boundary += 2.0 * float(arrays.activation[start - 1])
+            ratio = METHODS[hops[s - 1]].ratio if hops else 1.0
+            boundary += 2.0 * float(arrays.activation[start - 1]) * ratio
         if s < len(stages) - 1:
-            boundary += 2.0 * float(arrays.activation[end - 1])
+            ratio = METHODS[hops[s]].ratio if hops else 1.0
+            boundary += 2.0 * float(arrays.activation[end - 1]) * ratio
         n = len(stage.ranks)
         ring = 4.0 * (n - 1) / n * arrays.parameter_bytes(stage.block_range)  # sent and received
         floor = 0.0

@@ -24,13 +24,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import numbers
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_deepcee.planner.compression import check_hops
+from lightning_deepcee.planner.stage_plan import (
+    SHARE_TOLERANCE,
+    StagePlan,
+    checked_fields,
+    compact_ranks,
+    compact_shares,
+    int_tuple,
+    is_int,
+    is_real,
+)
 from lightning_deepcee.schedule.actions import parse_actions
 from lightning_deepcee.schedule.compact import COST_AWARE_SCHEDULE_KINDS
 from lightning_deepcee.schedule.generators import StageSchedule, generate
@@ -38,148 +48,6 @@ from lightning_deepcee.schedule.lowering import lower
 from lightning_deepcee.schedule.validate import validate
 
 __all__ = ["SHARE_TOLERANCE", "Plan", "StagePlan", "compact_ranks"]
-
-SHARE_TOLERANCE = 1e-6
-"""How far the batch shares of one stage may sum away from 1."""
-
-
-def _is_int(value: object) -> bool:
-    if type(value) is int:  # fast path: plans of 1000+ ranks are built in the search loop
-        return True
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    if type(value) is float or type(value) is int:
-        return True
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _int_tuple(name: str, value: object) -> tuple[int, ...]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ValueError(f"{name}: expected a list of integers, got {value!r}")
-    for entry in value:
-        if not _is_int(entry):
-            raise ValueError(f"{name}: expected a list of integers, got {list(value)!r}")
-    return tuple(int(entry) for entry in value)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StagePlan:
-    """One pipeline stage: its blocks and the devices that share it."""
-
-    block_range: tuple[int, int]
-    """Half-open range ``(start, end)`` of model blocks this stage runs (``start < end``)."""
-    ranks: tuple[int, ...]
-    """Ranks that hold a replica of these blocks and split every micro-batch between them."""
-    batch_shares: tuple[float, ...]
-    """Fraction of each micro-batch's samples each rank processes (same order as ``ranks``);
-    positive, summing to 1. Proportional to device speed, bounded by memory."""
-
-    def __post_init__(self) -> None:
-        block_range = _int_tuple("block_range", self.block_range)
-        if len(block_range) != 2 or not 0 <= block_range[0] < block_range[1]:
-            raise ValueError(
-                f"block_range: expected (start, end) with 0 <= start < end (half-open), got "
-                f"{list(block_range)!r}"
-            )
-        ranks = _int_tuple("ranks", self.ranks)
-        if not ranks or min(ranks) < 0 or len(set(ranks)) != len(ranks):
-            raise ValueError(
-                f"ranks: expected a non-empty list of distinct non-negative ranks, got "
-                f"{list(ranks)!r}"
-            )
-        shares = self.batch_shares
-        if (
-            isinstance(shares, (str, bytes))
-            or not isinstance(shares, Sequence)
-            or not all(_is_real(s) and math.isfinite(s) and s > 0 for s in shares)
-        ):
-            raise ValueError(f"batch_shares: expected positive finite fractions, got {shares!r}")
-        shares = tuple(float(s) for s in shares)
-        if len(shares) != len(ranks):
-            raise ValueError(
-                f"batch_shares: expected {len(ranks)} entries (one per rank of {list(ranks)}), "
-                f"got {len(shares)}"
-            )
-        if abs(sum(shares) - 1.0) > SHARE_TOLERANCE:
-            raise ValueError(
-                f"batch_shares: expected fractions summing to 1, got {list(shares)} "
-                f"(sum {sum(shares):.9g}); divide each by their sum"
-            )
-        object.__setattr__(self, "block_range", block_range)
-        object.__setattr__(self, "ranks", ranks)
-        object.__setattr__(self, "batch_shares", shares)
-
-    @classmethod
-    def trusted(
-        cls, block_range: tuple[int, int], ranks: tuple[int, ...], batch_shares: tuple[float, ...]
-    ) -> StagePlan:
-        """A stage from values the planner computed itself (int tuples, positive float shares
-        summing to 1), without the checks: the search builds tens of thousands per plan."""
-        stage = object.__new__(cls)
-        for name, value in zip(cls.__slots__, (block_range, ranks, batch_shares), strict=True):
-            object.__setattr__(stage, name, value)
-        return stage
-
-    @property
-    def num_blocks(self) -> int:
-        """Number of blocks in this stage."""
-        return self.block_range[1] - self.block_range[0]
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-safe dict."""
-        return {
-            "block_range": list(self.block_range),
-            "ranks": list(self.ranks),
-            "batch_shares": list(self.batch_shares),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> StagePlan:
-        """Inverse of :meth:`to_dict`; unknown or missing fields are errors."""
-        return cls(**_fields(data, cls, "StagePlan"))
-
-
-def _fields(data: object, cls: type, where: str) -> dict[str, Any]:
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{where}: expected a mapping of {cls.__name__} fields, got {data!r}")
-    names = [f.name for f in dataclasses.fields(cls)]
-    required = [
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
-    unknown = [key for key in data if key not in names]
-    if unknown:
-        raise ValueError(
-            f"{where}.{unknown[0]}: unknown field of {cls.__name__} (expected only: "
-            f"{', '.join(names)})"
-        )
-    missing = [name for name in required if name not in data]
-    if missing:
-        raise ValueError(f"{where}.{missing[0]}: missing required field of {cls.__name__}")
-    return dict(data)
-
-
-def compact_ranks(ranks: Sequence[int]) -> str:
-    """``0,1,2,3,7`` -> ``0-3,7`` so that a stage of 128 devices fits on a line."""
-    parts: list[str] = []
-    start = previous = ranks[0]
-    for rank in [*ranks[1:], None]:
-        if rank is not None and rank == previous + 1:
-            previous = rank
-            continue
-        parts.append(str(start) if start == previous else f"{start}-{previous}")
-        if rank is not None:
-            start = previous = rank
-    return ",".join(parts)
-
-
-def _compact_shares(shares: Sequence[float]) -> str:
-    if len(shares) <= 8:
-        return ",".join(f"{s:.3f}" for s in shares)
-    return f"{min(shares):.4f}..{max(shares):.4f} ({len(shares)} ranks)"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -231,6 +99,10 @@ class Plan:
     bound: uneven stages and fixed per-micro-batch costs), ``"stalls"`` (bubbles and dependency
     waits), ``"transfers"`` (activation hops not hidden behind compute), ``"allreduce"``,
     ``"optimizer"`` and ``"cpu_quota"`` (what a CPU quota adds above the rest)."""
+    hop_compression: tuple[str, ...] = ()
+    """Per hop (stage ``s`` to ``s + 1``), the method that compresses its float32 activations
+    and their gradients (:mod:`~lightning_deepcee.planner.compression`); ``()`` when no hop is
+    compressed (every hop ``"off"``: the step is exact)."""
 
     def __post_init__(self) -> None:
         stages = self.stages
@@ -262,7 +134,7 @@ class Plan:
                         "each rank belongs to exactly one stage"
                     )
                 seen[rank] = index
-        idle = _int_tuple("idle_ranks", self.idle_ranks) if self.idle_ranks else ()
+        idle = int_tuple("idle_ranks", self.idle_ranks) if self.idle_ranks else ()
         for rank in idle:
             if rank in seen or rank < 0 or idle.count(rank) > 1:
                 raise ValueError(
@@ -277,9 +149,10 @@ class Plan:
             )
         for name in ("num_microbatches", "global_batch_size"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         object.__setattr__(self, "stage_actions", self._checked_actions(len(stages)))
+        object.__setattr__(self, "hop_compression", check_hops(self.hop_compression, len(stages)))
         self._check_replicas(stages)
         if self.global_batch_size < self.num_microbatches:
             raise ValueError(
@@ -289,7 +162,7 @@ class Plan:
             )
         for name in ("predicted_step_time_s", "predicted_bubble_ratio"):
             value = getattr(self, name)
-            if not _is_real(value) or not math.isfinite(value) or value < 0:
+            if not is_real(value) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}: expected a non-negative finite number, got {value!r}")
             object.__setattr__(self, name, float(value))
         memory = self.predicted_peak_memory_bytes
@@ -300,7 +173,7 @@ class Plan:
         memory_by_rank: dict[int, int] = {}
         for key, value in memory.items():
             rank = int(key) if isinstance(key, str) and key.strip().isdigit() else key
-            if not _is_int(rank) or rank not in seen or not _is_int(value) or value < 0:
+            if not is_int(rank) or rank not in seen or not is_int(value) or value < 0:
                 raise ValueError(
                     f"predicted_peak_memory_bytes[{key!r}]: expected a rank of the plan "
                     f"({sorted(seen)}) mapped to a non-negative integer, got {value!r}"
@@ -309,12 +182,12 @@ class Plan:
         for name in ("compute_bound_s", "cluster_bound_s"):
             value = getattr(self, name)
             if value is not None:
-                if not _is_real(value) or not math.isfinite(value) or value < 0:
+                if not is_real(value) or not math.isfinite(value) or value < 0:
                     raise ValueError(f"{name}: expected a non-negative finite number, got {value}")
                 object.__setattr__(self, name, float(value))
         parts = self.step_parts_s
         if not isinstance(parts, Mapping) or not all(
-            isinstance(k, str) and _is_real(v) and math.isfinite(v) for k, v in parts.items()
+            isinstance(k, str) and is_real(v) and math.isfinite(v) for k, v in parts.items()
         ):
             raise ValueError(f"step_parts_s: expected a mapping name -> seconds, got {parts!r}")
         object.__setattr__(self, "step_parts_s", {k: float(v) for k, v in parts.items()})
@@ -326,7 +199,7 @@ class Plan:
 
     def _check_replicas(self, stages: Sequence[StagePlan]) -> None:
         d = self.num_replicas
-        if not _is_int(d) or d < 1:
+        if not is_int(d) or d < 1:
             raise ValueError(f"num_replicas: expected a positive integer, got {d!r}")
         if d > 1 and any(len(stage.ranks) != d for stage in stages):
             raise ValueError(
@@ -416,10 +289,15 @@ class Plan:
 
     @property
     def layout_key(self) -> tuple[object, ...]:
-        """What makes two plans train alike: each stage's blocks and devices, the schedule and
-        the micro-batch count (not the batch shares, predictions or notes)."""
+        """What makes two plans train alike: each stage's blocks and devices, the schedule, the
+        micro-batch count and the hops' compression (not the batch shares, predictions or
+        notes)."""
         stages = tuple((stage.block_range, stage.ranks) for stage in self.stages)
-        return stages, self.schedule, self.num_microbatches
+        return stages, self.schedule, self.num_microbatches, self.hop_compression
+
+    def hop_method(self, hop: int) -> str:
+        """The compression method of hop ``hop`` (stage ``hop`` to ``hop + 1``)."""
+        return self.hop_compression[hop] if self.hop_compression else "off"
 
     @property
     def microbatch_size(self) -> float:
@@ -507,12 +385,13 @@ class Plan:
                 if getattr(self, name) is not None
             },
             **({"step_parts_s": dict(self.step_parts_s)} if self.step_parts_s else {}),
+            **({"hop_compression": list(self.hop_compression)} if self.hop_compression else {}),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         """Inverse of :meth:`to_dict`; unknown or missing fields are errors."""
-        fields = _fields(data, cls, "Plan")
+        fields = checked_fields(data, cls, "Plan")
         raw = fields["stages"]
         if isinstance(raw, Sequence) and not isinstance(raw, (str, bytes)):
             stages = []
@@ -572,7 +451,7 @@ class Plan:
                     str(index),
                     f"{start}-{end - 1}",
                     compact_ranks(stage.ranks),
-                    _compact_shares(stage.batch_shares),
+                    compact_shares(stage.batch_shares),
                     f"{peak / 2**30:.2f}",
                 ]
             )
@@ -591,6 +470,9 @@ class Plan:
             summary += f" replicas={self.num_replicas}"
         if self.idle_ranks:
             summary += f" idle={compact_ranks(self.idle_ranks)}"
+        if self.hop_compression:
+            hops = (f"{h}->{h + 1} {m}" for h, m in enumerate(self.hop_compression) if m != "off")
+            summary += f" compressed={','.join(hops)}"
         out = [summary, *lines]
         bound = self.format_bound()
         if bound:

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_deepcee.planner.compression import allowed_methods
+
 __all__ = ["CostModelConfig", "Prediction"]
 
 
@@ -36,8 +38,13 @@ class CostModelConfig:
     """CPU seconds per byte a device sends or receives (activations, their gradients and the
     stage's gradient all-reduce), charged like ``host_cpu_s_per_step`` and fitted the same way
     (gloo over TCP)."""
+    compression: tuple[str, ...] = ()
+    """Compression methods the planner may choose per pipeline hop
+    (:mod:`~lightning_deepcee.planner.compression`); ``()``: none, every hop exact. Accepts a
+    setting of :func:`~lightning_deepcee.planner.compression.allowed_methods` (``"auto"``)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "compression", allowed_methods(self.compression))
         for name in ("optimizer_s_per_byte", "host_cpu_s_per_step", "host_cpu_s_per_byte"):
             value = getattr(self, name)
             if (
@@ -84,6 +91,8 @@ class Prediction:
     """The longest step a CPU quota allows (cost model, *Host CPU under a quota*): the slowest
     quota-limited device's compute, optimizer and host CPU at its quota; 0 without quotas.
     ``step_time_s`` is at least this."""
+    hop_compression: tuple[str, ...] = ()
+    """The compression method of each hop the prediction assumed (``()``: none)."""
 
     @property
     def fits_memory(self) -> bool:
@@ -103,4 +112,5 @@ class Prediction:
             "optimizer_s": self.optimizer_s,
             "over_memory_ranks": list(self.over_memory_ranks),
             "cpu_floor_s": self.cpu_floor_s,
+            **({"hop_compression": list(self.hop_compression)} if self.hop_compression else {}),
         }

@@ -132,13 +132,18 @@ def rival_plans(
 
 
 def choose_rivals(
-    profile: ClusterProfile, plan: Plan, alternatives: Sequence[Plan], count: int
+    profile: ClusterProfile,
+    plan: Plan,
+    alternatives: Sequence[Plan],
+    count: int,
+    *,
+    config: CostModelConfig | None = None,
 ) -> list[Plan]:
     """Up to ``count`` plans to time against ``plan``, each predicted within ``RIVAL_WITHIN``
     of it, fastest prediction first: the search's best alternatives of another structure
     (device set, stages, schedule or micro-batch count; up to half the places, the fastest),
     the near layouts of :func:`rival_plans` in the other places, any places left to the other
-    alternatives. Each layout once, never ``plan``'s own."""
+    alternatives. Each layout once, never ``plan``'s own. ``config``: as the search's."""
     reference = plan.predicted_step_time_s
     limit = reference * (1 + RIVAL_WITHIN)
     seen = {plan.layout_key}
@@ -153,7 +158,11 @@ def choose_rivals(
             )
             others.append(dataclasses.replace(other, notes=note))
     first = others[: (count + 1) // 2]
-    near = [p for p in rival_plans(profile, plan, count=count) if p.layout_key not in seen]
+    near = [
+        p
+        for p in rival_plans(profile, plan, count=count, config=config)
+        if p.layout_key not in seen
+    ]
     chosen = [*first, *near, *others[len(first) :]][:count]
     return sorted(chosen, key=lambda p: p.predicted_step_time_s)
 

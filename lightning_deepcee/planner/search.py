@@ -465,6 +465,7 @@ def plan_from_candidate(
         model_fingerprint=profile.model_fingerprint,
         cluster_fingerprint=profile.cluster_fingerprint,
         notes=notes,
+        hop_compression=p.hop_compression,
     )
 
 

@@ -24,7 +24,17 @@ from lightning_deepcee.runtime.transport import P2PTransport
 from lightning_deepcee.schedule import lower, validate
 from lightning_deepcee.schedule.generators import forward_only
 
-__all__ = ["Executors", "build_executors", "call_with_output", "stage_layouts"]
+__all__ = ["Executors", "build_executors", "call_with_output", "hop_peers", "stage_layouts"]
+
+
+def hop_peers(plan: Plan, stage_index: int) -> dict[int, str]:
+    """The compression method of the ranks next to stage ``stage_index``: the previous stage's
+    by the hop before it, the next stage's by the hop after it (only compressed hops)."""
+    peers = {}
+    for hop, other in ((stage_index - 1, stage_index - 1), (stage_index, stage_index + 1)):
+        if 0 <= hop < plan.num_stages - 1 and plan.hop_method(hop) != "off":
+            peers.update(dict.fromkeys(plan.stages[other].ranks, plan.hop_method(hop)))
+    return peers
 
 
 def stage_layouts(plan: Plan, rank: int) -> list[StageLayout]:
@@ -60,6 +70,9 @@ def build_executors(
     The schedule is per stage; devices sharing a stage run the same list, and the router
     expands each transfer into the row pieces exchanged with the neighbouring devices.
     ``measure_saved``: the training executor reports ``StepStats.peak_saved_bytes``.
+    Training sends float32 tensors over each hop with the plan's compression
+    (``Plan.hop_compression``); evaluation and prediction send them exactly, so that their
+    figures are the model's own.
     """
     num_stages = plan.num_stages
     placement = {s: s for s in range(num_stages)}
@@ -77,9 +90,14 @@ def build_executors(
     validate(train, placement, m)
     evaluation = lower(forward_only(num_stages, m), placement)
     validate(evaluation, placement, m, require_backward=False)
+    compressed = P2PTransport(
+        device, prefetch=receive_ahead, compression=hop_peers(plan, stage.stage_index)
+    )
     return Executors(
         train=PipelineExecutor(
-            actions=train[stage.stage_index], measure_saved=measure_saved, **common
+            actions=train[stage.stage_index],
+            measure_saved=measure_saved,
+            **{**common, "transport": compressed},
         ),
         evaluation=PipelineExecutor(actions=evaluation[stage.stage_index], **common),
         prediction=PipelineExecutor(

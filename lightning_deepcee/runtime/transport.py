@@ -30,6 +30,12 @@ ahead. The main thread waits on the timer's event, never on the receive itself (
 may be waited on once). The timers sleep inside ``Work.wait`` without the GIL; a stamp can be
 late by the interpreter's switch interval (5 ms), which matters only for sub-10 ms transfers.
 
+**Compression.** A float32 tensor sent to a peer listed in ``compression`` travels as the
+method's wire bytes (:mod:`~lightning_deepcee.runtime.compression`), encoded where the tensor is
+and decoded on the receiving device; the header's first value carries the method's code beside
+the dtype's, and the shape is the tensor's, so the receiver knows the payload's size and how to
+decode it without a setting of its own. Records count the bytes on the wire.
+
 Gloo carries host memory only (its send/recv read the tensor's pointer as host memory). A
 cluster that mixes GPU and CPU-only devices (cloud GPUs, end-device CPUs) must use gloo, so
 CUDA tensors are staged through host memory whenever the group's backend is gloo
@@ -49,7 +55,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_deepcee.planner.compression import METHODS, CompressionMethod
 from lightning_deepcee.runtime.background import start_thread
+from lightning_deepcee.runtime.compression import BY_CODE, decode, encode, encodes
 
 __all__ = [
     "MAX_DIMS",
@@ -89,9 +97,31 @@ _DTYPES: tuple[torch.dtype, ...] = (
 _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 
 
-def _parse(header: torch.Tensor) -> tuple[torch.dtype, list[int]]:
+_METHOD_STRIDE = 16
+"""A header's first value is ``dtype code + 16 * compression method code``."""
+
+
+def _parse(header: torch.Tensor) -> tuple[torch.dtype, list[int], CompressionMethod]:
+    """The dtype, shape and compression method a header announces."""
     values = header.tolist()
-    return _DTYPES[values[0]], values[2 : 2 + values[1]]
+    method, dtype = divmod(values[0], _METHOD_STRIDE)
+    return _DTYPES[dtype], values[2 : 2 + values[1]], BY_CODE[method]
+
+
+def _wire_bytes(dtype: torch.dtype, shape: Sequence[int], method: CompressionMethod) -> int:
+    """Payload bytes of a message with this header."""
+    if method.code:
+        return method.wire_bytes(math.prod(shape))
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _unpack(
+    raw: torch.Tensor, dtype: torch.dtype, shape: list[int], method: CompressionMethod
+) -> torch.Tensor:
+    """The tensor a payload's bytes carry (decoded when it was compressed)."""
+    if method.code:
+        return decode(method, raw, shape)
+    return raw.view(dtype).reshape(shape)
 
 
 def wire_device(device: torch.device, group: dist.ProcessGroup | None = None) -> torch.device:
@@ -203,6 +233,9 @@ class P2PTransport:
     records: list[TransferRecord] = field(default_factory=list)
     prefetch: bool = False
     """Post receives ahead on gloo (see the module docstring); every rank must agree."""
+    compression: dict[int, str] = field(default_factory=dict)
+    """The compression method of float32 tensors sent to each peer (global rank; absent: sent
+    as is). Receivers need no setting: the header names the method."""
     _wire: torch.device | None = field(default=None, init=False, repr=False)
     _step: str | None = field(default=None, init=False, repr=False)
     _sizes: dict[tuple[str, str, int, int], int] = field(
@@ -271,11 +304,17 @@ class P2PTransport:
             raise ValueError(f"Cannot send a tensor with {tensor.dim()} > {MAX_DIMS} dimensions.")
         start = time.perf_counter()
         wire = self._wire_device()
-        payload = tensor.detach().to(wire).contiguous()
+        method = METHODS[self.compression.get(dst, "off")]
+        if not encodes(method, tensor):
+            method = METHODS["off"]
         header = torch.zeros(2 + MAX_DIMS, dtype=torch.int64)
-        header[0] = _DTYPE_CODE[payload.dtype]
-        header[1] = payload.dim()
-        header[2 : 2 + payload.dim()] = torch.tensor(payload.shape, dtype=torch.int64)
+        header[0] = _DTYPE_CODE[tensor.dtype] + _METHOD_STRIDE * method.code
+        header[1] = tensor.dim()
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        if method.code:  # encoded where the tensor is: a GPU stages only the smaller payload
+            payload = encode(method, tensor).to(wire)
+        else:
+            payload = tensor.detach().to(wire).contiguous()
         messages = [(header.to(wire), _HEADER_TAG)]
         if self._slotted():
             key = self._next_key("send", dst)
@@ -308,11 +347,11 @@ class P2PTransport:
         start = time.perf_counter()
         try:
             if self._slotted() and src in self._announced:
-                buf, wire_s = self._take_posted(src)
+                buf, header, wire_s = self._take_posted(src)
             elif self._slotted():
-                buf, wire_s = self._receive_unannounced(src)
+                buf, header, wire_s = self._receive_unannounced(src)
             else:
-                buf, wire_s = self._receive(src)
+                buf, header, wire_s = self._receive(src)
         except RuntimeError as exc:
             raise PeerLostError(
                 src,
@@ -321,21 +360,23 @@ class P2PTransport:
             ) from exc
         done = time.perf_counter()
         # wire_s: from the header's arrival to the payload's (sent back to back).
-        self.records.append(
-            TransferRecord(src, buf.numel() * buf.element_size(), done - start, "recv", wire_s)
-        )
-        return buf.to(self.device)
+        self.records.append(TransferRecord(src, buf.numel(), done - start, "recv", wire_s))
+        return _unpack(buf.to(self.device), *_parse(header))
 
-    def _receive(self, src: int) -> tuple[torch.Tensor, float]:
-        """Receive header then payload now; returns the payload and its seconds on the wire."""
+    def _receive(self, src: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Receive header then payload now: the payload's bytes, the header and the payload's
+        seconds on the wire."""
         wire = self._wire_device()
         header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=wire)
         dist.recv(header, src, group=self.group, tag=_HEADER_TAG)
         arrived = time.perf_counter()
-        dtype, shape = _parse(header)
-        buf = torch.empty(shape, dtype=dtype, device=wire)
+        dtype, shape, method = _parse(header)
+        if method.code:
+            buf = torch.empty(method.wire_bytes(math.prod(shape)), dtype=torch.uint8, device=wire)
+        else:  # typed as sent: NCCL matches a send and its receive by dtype and count
+            buf = torch.empty(shape, dtype=dtype, device=wire)
         dist.recv(buf, src, group=self.group, tag=_REST_TAG)
-        return buf, time.perf_counter() - arrived
+        return buf.reshape(-1).view(torch.uint8), header, time.perf_counter() - arrived
 
     def _post(self, src: int) -> _Posted:
         """Post the next message from ``src``: its header and, when the same message of the last
@@ -351,7 +392,7 @@ class P2PTransport:
             slot_work = dist.irecv(slot, src, group=self.group, tag=_SLOT_TAG)
         return _Posted(header, header_work, slot, slot_work, key)
 
-    def _receive_unannounced(self, src: int) -> tuple[torch.Tensor, float]:
+    def _receive_unannounced(self, src: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """A message from a source the step did not announce: the sender may still use a slot
         (from an earlier step's size), so it is received as a posted one would be, now."""
         entry = self._post(src)
@@ -359,8 +400,9 @@ class P2PTransport:
         self._posted.setdefault(src, deque()).append(entry)
         return self._take_posted(src)
 
-    def _take_posted(self, src: int) -> tuple[torch.Tensor, float]:
-        """Take the next posted receive from ``src``: the payload and its seconds on the wire."""
+    def _take_posted(self, src: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Take the next posted receive from ``src``: the payload's bytes, the header and the
+        payload's seconds on the wire."""
         queue_ = self._posted.get(src)
         if not queue_:
             raise RuntimeError(f"a receive from rank {src} that the step did not announce")
@@ -369,15 +411,14 @@ class P2PTransport:
         if posted.error is not None:
             raise RuntimeError(str(posted.error)) from posted.error
         assert posted.header_at is not None
-        dtype, shape = _parse(posted.header)
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        size = _wire_bytes(*_parse(posted.header))
         self._sizes[posted.key] = size
         slot = posted.slot
         if slot is not None and size <= slot.numel():
             assert posted.slot_at is not None
             # A padded slot carried slot.numel() bytes: scale to the payload's share of them.
             wire_s = (posted.slot_at - posted.header_at) * size / slot.numel()
-            return slot[:size].view(dtype).reshape(shape), wire_s
+            return slot[:size], posted.header, wire_s
         # No slot, or the payload outgrew it: the rest is received now, and timed from here
         # (its rendezvous included, as without receiving ahead).
         rest = torch.empty(size - (0 if slot is None else slot.numel()), dtype=torch.uint8)
@@ -385,7 +426,7 @@ class P2PTransport:
         posted_at = time.perf_counter()
         dist.recv(rest, src, group=self.group, tag=_REST_TAG)
         raw = rest if slot is None else torch.cat([slot, rest])
-        return raw.view(dtype).reshape(shape), time.perf_counter() - posted_at
+        return raw, posted.header, time.perf_counter() - posted_at
 
     def wait_sends(self) -> float:
         """Wait for every outstanding send; returns the seconds spent waiting."""

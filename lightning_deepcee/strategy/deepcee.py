@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from lightning_deepcee._compat import PATH, fit_dataloader, set_default_timeout
 from lightning_deepcee.planner import DEVICE_GAIN, Plan
+from lightning_deepcee.planner.compression import allowed_methods
 from lightning_deepcee.profiler import ClusterProfile, DeviceGroups
 from lightning_deepcee.runtime import PipelineSpec, Stage
 from lightning_deepcee.runtime.executor import StepStats
@@ -109,44 +110,42 @@ class DeepCEEStrategy(DDPStrategy):
         profile: measure every device (per-block forward / input-gradient / weight-gradient
             times on the first training micro-batch, memory) and every link (latency and
             bandwidth, rounds of disjoint pairs) at setup, group devices, and print the table.
-        profile_cache: a JSON/YAML file that caches the profile; reused only while the model
-            and the cluster are unchanged (otherwise re-measured with a warning).
+        profile_cache: a JSON/YAML file caching the profile, reused while the model and the
+            cluster are unchanged (otherwise re-measured with a warning).
         profile_budget_s: the network measurement fails with an error naming the pair it was
             measuring when it takes longer than this.
-        profile_rounds: the block timings are measured this many times in a row and every
-            figure taken at its median (a single reading under a CPU quota is noisy); 1
-            measures once, for a quicker setup.
-        profile_block_budget_s: about how long each device may spend timing its blocks: a
-            slow device takes fewer rounds and repeats (at least one round of two). ``None``:
-            always ``profile_rounds`` full rounds, however long they take.
+        profile_rounds: block timings are measured this many times and each figure taken at
+            its median (one reading under a CPU quota is noisy); 1 measures once.
+        profile_block_budget_s: about how long each device may spend timing its blocks (a slow
+            one takes fewer rounds, at least one of two); ``None``: ``profile_rounds`` rounds.
         device_cache: a directory where each device keeps its block timings, reused while the
             model, micro-batch and CPU quota are unchanged; ``"auto"``: one per torchrun elastic
             job (a restart measures only new devices), none otherwise; ``None``: never reuse.
-        timeout_s: seconds a collective or transfer may block before the process group fails;
-            a dead device or link therefore stops every rank within about this long (plus a
-            3 s look at the heartbeats), with a ``DeviceLostError`` naming the lost rank, its
-            stage and host, or a ``RankFailedError`` with the error of the rank that failed.
-            Forming the process group waits longer for slow starters (``START_TIMEOUT_S``).
+        timeout_s: seconds a collective or transfer may block: a dead device or link stops
+            every rank within about this long (plus 3 s of heartbeats) with a
+            ``DeviceLostError`` (lost rank, stage, host) or a ``RankFailedError`` (the failed
+            rank's error). Forming the group waits longer (``START_TIMEOUT_S``).
         verbose: print the partition and schedule on rank 0 at setup.
         receive_ahead: on gloo, post every receive of a step when it starts, into payload
             slots sized by the last step, so senders never wait for the receiver to reach its
-            receive (gloo moves a message only once it is posted). Results are identical
-            either way (docs/architecture.md). ``False`` posts each receive when the schedule
-            reaches it.
-        freeze_gc: when training starts, run one full garbage collection and freeze what
-            survives (``gc.freeze()``), so later collections skip the model, the data and
-            the framework set up before training (in a pipeline one rank's collection pause
-            stalls every stage); unfrozen when training ends. ``False`` leaves the garbage
-            collector alone.
-        async_checkpoint: a checkpoint save snapshots this rank's state and returns; the files
-            are written and committed in the background (crash-safe: an interrupted save leaves
-            the previous checkpoint the newest complete one). ``False`` blocks until committed.
+            receive (gloo moves a message only once it is posted); identical results
+            (docs/architecture.md). ``False`` posts each receive when the schedule reaches it.
+        freeze_gc: when training starts, collect garbage once and freeze what survives
+            (``gc.freeze()``), so later collections skip the model, the data and the framework
+            (one rank's collection pause stalls every stage); unfrozen when training ends.
+        async_checkpoint: a save snapshots this rank's state and returns; the files are written
+            and committed in the background (an interrupted save leaves the previous checkpoint
+            the newest complete one); ``False`` blocks until committed.
         device_gain: the automatic plan uses more devices than another only when predicted at
             least this fraction faster (``plan_search``); 0 takes the fastest prediction.
         plan_trial: the automatic plan and up to ``plan_trial - 1`` rivals predicted within 10%
             of it (the search's runners-up, near layouts: the cost model cannot rank them) each
             run a few steps at setup on the first batch, without optimizer steps, and the clock
             picks what trains (``plan_trial.py``); 1 trains the searched plan untimed.
+        compression: what the automatic plan may do to the float32 tensors that cross a
+            pipeline hop in training: ``"off"`` (exact), ``"auto"`` (the planner picks per hop
+            among ``bf16``, ``tah8``, ``tah4`` where the link makes it pay), or a list of those
+            names (docs/compression.md).
     """
 
     strategy_name = "deepcee"
@@ -172,6 +171,7 @@ class DeepCEEStrategy(DDPStrategy):
         async_checkpoint: bool = True,
         device_gain: float = DEVICE_GAIN,
         plan_trial: int = 4,
+        compression: str | Sequence[str] = "off",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -215,8 +215,8 @@ class DeepCEEStrategy(DDPStrategy):
         self.device_groups: DeviceGroups | None = None
         self.verbose, self.freeze_gc = verbose, freeze_gc
         self.device_gain, self.plan_trial = device_gain, plan_trial
-        self.plan_alternatives: list[Plan] = []
-        """Rank 0, automatic plan: the search's other best plans, for the plan trial."""
+        self.compression = allowed_methods(compression)  # the methods a hop may use
+        self.plan_alternatives: list[Plan] = []  # rank 0: the search's runners-up, for the trial
         self.last_step_stats: StepStats | None = None
         self.stage_part = PipelineStagePart(
             num_microbatches=self._manual.num_microbatches, receive_ahead=receive_ahead
@@ -372,6 +372,7 @@ class DeepCEEStrategy(DDPStrategy):
                 cluster_profile=self.cluster_profile,
                 global_batch_size=self._global_batch_size,
                 device_gain=self.device_gain,
+                compression=self.compression,
                 running=None if fitting else self.plan,
             )
             if choice.alternatives is not None:

@@ -34,7 +34,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_deepcee._compat import fit_dataloader
-from lightning_deepcee.planner import Plan
+from lightning_deepcee.planner import CostModelConfig, Plan
 from lightning_deepcee.planner.rivals import (
     RACE_MARGIN,
     RIVAL_WITHIN,
@@ -68,6 +68,7 @@ class TrialStrategy(BuildHost, Protocol):
     cluster_profile: ClusterProfile | None
     plan_alternatives: list[Plan]
     device_gain: float
+    compression: tuple[str, ...]
 
     @property
     def plan(self) -> Plan | None: ...
@@ -90,7 +91,11 @@ def trial_plans(strategy: TrialStrategy, trainer: pl.Trainer, count: int) -> Pla
     found: list[dict[str, Any]] = []
     if strategy.is_global_zero:
         rivals = choose_rivals(
-            strategy.cluster_profile, plan, strategy.plan_alternatives, count - 1
+            strategy.cluster_profile,
+            plan,
+            strategy.plan_alternatives,
+            count - 1,
+            config=CostModelConfig(compression=strategy.compression),
         )
         found = [rival.to_dict() for rival in rivals]
     rivals = [Plan.from_dict(d) for d in strategy.broadcast(found)]

@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_deepcee.planner import Plan
+from lightning_deepcee.planner import CostModelConfig, Plan
 from lightning_deepcee.planner.record import format_device_sets, write_setup_record
 from lightning_deepcee.planner.search import DeviceSetScore
 from lightning_deepcee.profiler import ClusterProfile
@@ -46,6 +46,7 @@ def initial_plan(
     cluster_profile: ClusterProfile | None,
     global_batch_size: int,
     device_gain: float,
+    compression: tuple[str, ...] = (),
     running: Plan | None = None,
 ) -> PlanChoice:
     """The layout set-up builds and, when it was searched (``plan_arg == "auto"``), rank 0's
@@ -53,7 +54,7 @@ def initial_plan(
     layout, ``"auto"`` to search on ``cluster_profile`` (all ranks: the search is spread over
     them), else a saved plan's path. Prints the plan unless it is the manual layout's.
     ``running``: the layout that trained, which validate/test after fit keep (re-planned or
-    not); ``None`` while fitting."""
+    not); ``None`` while fitting. ``compression``: the methods the search may choose per hop."""
     if running is not None:
         return PlanChoice(running)
     fingerprint = model_fingerprint(list(blocks))
@@ -87,6 +88,7 @@ def initial_plan(
             num_blocks=len(blocks),
             global_batch_size=global_batch_size,
             device_gain=device_gain,
+            config=CostModelConfig(compression=compression),
             alternatives=alternatives,
             device_sets=device_sets,
         )

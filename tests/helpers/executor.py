@@ -56,11 +56,17 @@ def _body(net: ExecutorNet, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def assert_grads_match_reference(directory: Path, world: int, *, rtol: float, atol: float) -> None:
-    """Merge the ranks' saved gradients and compare them with the single-process reference."""
+def merged_grads(directory: Path, world: int) -> dict[str, torch.Tensor]:
+    """The gradients the ranks saved (``grads{stage}.pt``), merged by parameter name."""
     merged: dict[str, torch.Tensor] = {}
     for r in range(world):
         merged.update(torch.load(directory / f"grads{r}.pt"))
+    return merged
+
+
+def assert_grads_match_reference(directory: Path, world: int, *, rtol: float, atol: float) -> None:
+    """Merge the ranks' saved gradients and compare them with the single-process reference."""
+    merged = merged_grads(directory, world)
     ref = executor_reference()
     assert merged.keys() == ref.keys()
     for name in ref:
@@ -79,11 +85,15 @@ def stage_executor(
     device: torch.device | None = None,
     prefetch: bool = False,
     measure_saved: bool = False,
+    compression: str = "off",
 ) -> PipelineExecutor:
     """The executor of ``rank``'s stage: ``ranges`` cut ``model`` into one stage per layout
     (stage ``s`` on the devices of ``layouts[s]``), every stage runs ``schedule`` with
-    ``microbatches`` micro-batches (checked), tensors travel from and to ``device`` (the CPU)."""
+    ``microbatches`` micro-batches (checked), tensors travel from and to ``device`` (the CPU),
+    compressed by ``compression`` on every hop."""
     stage_index = next(s for s, lay in enumerate(layouts) if rank in lay.ranks)
+    near = layouts[max(stage_index - 1, 0) : stage_index + 2]
+    peers = {} if compression == "off" else {r: compression for lay in near for r in lay.ranks}
     placement = {s: s for s in range(len(layouts))}
     lowered = lower(generate(schedule, len(layouts), microbatches), placement)
     validate(lowered, placement, microbatches)
@@ -91,7 +101,7 @@ def stage_executor(
     return PipelineExecutor(
         stage=stage,
         actions=lowered[stage_index],
-        transport=P2PTransport(device or torch.device("cpu"), prefetch=prefetch),
+        transport=P2PTransport(device or torch.device("cpu"), prefetch=prefetch, compression=peers),
         router=Router(layouts, stage_index, rank),
         loss_fn=spec.loss_fn,
         input_fn=spec.input_fn,

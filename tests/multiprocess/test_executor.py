@@ -11,12 +11,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_deepcee.planner import balanced_partition
+from lightning_deepcee.planner.compression import METHODS
 from lightning_deepcee.runtime import StageLayout, split_batch, split_sizes
 from lightning_deepcee.schedule import SCHEDULE_KINDS
 from tests.helpers.executor import (
     ExecutorNet,
     assert_grads_match_reference,
     executor_data,
+    executor_reference,
+    merged_grads,
     stage_executor,
 )
 
@@ -32,12 +35,15 @@ def _worker(
     out: str,
     layouts: list[StageLayout],
     prefetch: bool = False,
+    compression: str = "off",
 ) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     net = ExecutorNet()
     spec = net.spec()
     ranges = balanced_partition([1.0] * len(spec.blocks), len(layouts))
-    ex = stage_executor(net, spec, ranges, layouts, rank, kind, m, prefetch=prefetch)
+    ex = stage_executor(
+        net, spec, ranges, layouts, rank, kind, m, prefetch=prefetch, compression=compression
+    )
     stage, stage_index = ex.stage, ex.stage.stage_index
     transport = ex.transport
     ex.run(split_batch(executor_data(), split_sizes(11, m)), 11)
@@ -94,3 +100,29 @@ def test_asymmetric_data_parallel_stages_match_reference(
     args = (world, kind, m, init, str(tmp_path), layouts, prefetch)
     mp.spawn(_worker, args=args, nprocs=world, join=True)
     assert_grads_match_reference(tmp_path, len(layouts), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("method", "kind"), [("bf16", "1f1b"), ("tah8", "zb-h1"), ("tah4", "1f1b")]
+)
+def test_compressed_hops_give_the_reference_gradient_within_the_method_error(
+    tmp_path: Path, method: str, kind: str
+) -> None:
+    """Three stages (one shared by two devices), every hop compressed: each parameter's gradient
+    is the single-process one to within the method's typical round-trip error per compressed
+    message on its path (two hops, forward and back), with a factor 2 for the network's own
+    amplification; and not exact, so the hops did compress."""
+    layouts = [
+        StageLayout((0,), (1.0,)),
+        StageLayout((1, 2), (0.5, 0.5)),
+        StageLayout((3,), (1.0,)),
+    ]
+    init = f"file://{tmp_path / 'store'}"
+    args = (4, kind, 4, init, str(tmp_path), layouts, True, method)
+    mp.spawn(_worker, args=args, nprocs=4, join=True)
+    got, ref = merged_grads(tmp_path, len(layouts)), executor_reference()
+    assert got.keys() == ref.keys()
+    bound = 2 * 4 * METHODS[method].typical_error
+    errors = {n: float((got[n] - ref[n]).norm() / ref[n].norm()) for n in ref}
+    assert max(errors.values()) <= bound, (errors, bound)
+    assert max(errors.values()) > 0, "no hop was compressed"

@@ -1,0 +1,82 @@
+"""Compression on the pipeline's hops, as the cost model sees it: bytes, codec time, choice.
+
+A hop's method shrinks the bytes its activation and gradient take over the link
+(``CompressionMethod.ratio``) and costs both of its stages an encode and a decode per
+micro-batch, charged like the device's optimizer: ``cost_factor`` times its measured seconds
+per parameter byte, per value (both are passes over memory on the same device). The planner
+chooses per hop among the methods the user allows (``CostModelConfig.compression``).
+
+Pure: numpy and the standard library.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from lightning_deepcee.planner.compression import METHODS, CompressionMethod
+from lightning_deepcee.planner.plan import StagePlan
+from lightning_deepcee.planner.prediction import CostModelConfig
+from lightning_deepcee.planner.profile_arrays import ProfileArrays
+
+__all__ = ["HOP_MARGIN", "HopCodecs"]
+
+HOP_MARGIN = 0.05
+"""A hop takes a lossier method only if it moves the hop this much faster than the next."""
+
+
+class HopCodecs:
+    """The hops' compression costs on one profile; ``transfer_time_s`` is the evaluator's."""
+
+    def __init__(
+        self,
+        arrays: ProfileArrays,
+        config: CostModelConfig,
+        transfer_time_s: Callable[[StagePlan, StagePlan, float], float],
+    ) -> None:
+        self._arrays = arrays
+        self._config = config
+        self._transfer_time_s = transfer_time_s
+
+    def boundary_bytes(self, sender: StagePlan, b: float) -> float:
+        """Bytes of a ``b``-sample micro-batch's activation that ``sender`` passes on (fp32)."""
+        return float(self._arrays.activation[sender.block_range[1] - 1]) * b
+
+    def codec_time_s(self, stage: StagePlan, method: CompressionMethod, num_bytes: float) -> float:
+        """Seconds ``stage`` spends on one micro-batch of a hop that carries ``num_bytes`` (fp32)
+        each way, encoding one direction with ``method`` and decoding the other (its slowest
+        device, on its share of the rows)."""
+        if method.code == 0:
+            return 0.0
+        index = np.asarray(stage.ranks)
+        measured = self._arrays.optimizer_rate[index]
+        rates = np.where(measured > 0, measured, self._config.optimizer_s_per_byte)
+        shares = np.asarray(stage.batch_shares)
+        return float((rates * shares).max()) * num_bytes / 4 * method.cost_factor
+
+    def choose(self, stages: Sequence[StagePlan], b: float) -> tuple[str, ...]:
+        """Per hop, the method of ``config.compression`` (or off) that moves a ``b``-sample
+        micro-batch's activation and gradient fastest, counting both ends' encode and decode;
+        among methods within ``HOP_MARGIN`` of the fastest, the most accurate. ``()`` when the
+        config allows none or every hop stays off."""
+        allowed = self._config.compression
+        if not allowed or len(stages) < 2:
+            return ()
+        chosen = []
+        for sender, receiver in itertools.pairwise(stages):
+            num_bytes = self.boundary_bytes(sender, b)
+            seconds = {}
+            for name in ("off", *allowed):
+                method = METHODS[name]
+                seconds[name] = (
+                    self._transfer_time_s(sender, receiver, num_bytes * method.ratio)
+                    + self._transfer_time_s(receiver, sender, num_bytes * method.ratio)
+                    + self.codec_time_s(sender, method, num_bytes)
+                    + self.codec_time_s(receiver, method, num_bytes)
+                )
+            fastest = min(seconds.values())
+            near = [n for n, t in seconds.items() if t <= fastest * (1 + HOP_MARGIN)]
+            chosen.append(min(near, key=lambda n: METHODS[n].typical_error))
+        return () if all(name == "off" for name in chosen) else tuple(chosen)
