@@ -7,7 +7,8 @@ Every system trains the same GPT (same initial weights) on the Shakespeare text 
 validation loss on the same first ``eval_batches x global_batch`` validation windows every
 ``eval_every`` steps. A run stops when the validation loss is at or below ``target`` (or after
 ``max_steps``). Systems: ``deepcee`` (``DeepCEEStrategy()``: profile, plan, run), ``ddp``
-(Lightning DDPStrategy) and ``pipe-1f1b`` (torch.distributed.pipelining's Schedule1F1B, uniform
+(Lightning DDPStrategy), ``deepcee-zip`` (``DeepCEEStrategy(compression="auto")``: the planner
+may compress pipeline hops) and ``pipe-1f1b`` (torch.distributed.pipelining's Schedule1F1B, uniform
 split, rank order), the workers of ``lab_bench.py`` extended with evaluation; ``SYSTEM@region``
 runs on those regions' devices alone, as in ``lab_bench.py`` (``ddp@cloud``: DDP on the cloud
 devices). One invocation writes one table: every system's runs, interleaved run by run.
@@ -35,7 +36,7 @@ from typing import Any
 from harness import HERE, REPO, device_trainer, lab_command, main, worker_job, write_json
 from lab_bench import _git_commit, split_system, sub_topology, system_batch
 
-SYSTEMS = ("deepcee", "ddp", "pipe-1f1b")
+SYSTEMS = ("deepcee", "deepcee-zip", "ddp", "pipe-1f1b")
 
 
 # =============================================================================== worker side
@@ -62,7 +63,10 @@ def _lightning_worker(args: argparse.Namespace) -> None:
         strategy: Any = DDPStrategy(process_group_backend="gloo")
         per_loader = g // world
     else:
-        strategy = DeepCEEStrategy(profile_budget_s=args.profile_budget_s)
+        strategy = DeepCEEStrategy(
+            profile_budget_s=args.profile_budget_s,
+            compression="auto" if args.system == "deepcee-zip" else "off",
+        )
         per_loader = g
 
     class TimeToAccuracy(Callback):
@@ -352,8 +356,8 @@ def render(result: dict[str, Any]) -> str:
         ),
         "",
         "| system | runs reaching target | training s to target (median) | min | max | "
-        "steps to target | vs deepcee |",
-        "|---|---|---|---|---|---|---|",
+        f"steps to target | vs deepcee | val loss at step {_common_step(result)} (median) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     medians: dict[str, float] = {}
     for system, entry in result["systems"].items():
@@ -363,17 +367,36 @@ def render(result: dict[str, Any]) -> str:
     base = medians.get("deepcee")
     for system, entry in result["systems"].items():
         hits = [r["reached"] for r in entry["runs"] if r.get("reached")]
+        at_common = _loss_at(entry["runs"], _common_step(result))
         if not hits:
-            lines.append(f"| {system} | 0/{len(entry['runs'])} | - | - | - | - | - |")
+            lines.append(f"| {system} | 0/{len(entry['runs'])} | - | - | - | - | - | {at_common} |")
             continue
         times = [h["train_s"] for h in hits]
         steps = sorted({h["step"] for h in hits})
         ratio = f"{medians[system] / base:.2f}x" if base else "-"
         lines.append(
             f"| {system} | {len(hits)}/{len(entry['runs'])} | {medians[system]:.1f} | "
-            f"{min(times):.1f} | {max(times):.1f} | {', '.join(map(str, steps))} | {ratio} |"
+            f"{min(times):.1f} | {max(times):.1f} | {', '.join(map(str, steps))} | {ratio} | "
+            f"{at_common} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _common_step(result: dict[str, Any]) -> int:
+    """The last evaluated step every run of every system reached (the same samples for all)."""
+    lasts = [
+        max(e["step"] for e in run["evals"])
+        for entry in result["systems"].values()
+        for run in entry["runs"]
+        if run.get("evals")
+    ]
+    return min(lasts, default=0)
+
+
+def _loss_at(runs: list[dict[str, Any]], step: int) -> str:
+    """The median validation loss of ``runs`` at ``step``, as text."""
+    losses = [e["val_loss"] for run in runs for e in run.get("evals", []) if e["step"] == step]
+    return f"{statistics.median(losses):.4f}" if losses else "-"
 
 
 def report(result: dict[str, Any], stem: Path) -> str:

@@ -73,7 +73,8 @@ evaluator instead. The model, stated once:
   micro-batch, ``cost_factor`` times its slowest device's optimizer seconds per byte per value
   of its share, half on F and half on B (:mod:`~lightning_deepcee.planner.hops`). The search
   picks, per hop, the allowed method that moves the hop fastest with its codec time
-  (``CostModelConfig.compression``); the host-CPU floor counts the compressed bytes.
+  (``CostModelConfig.compression``), a lossier one only where that saves more than 5% of the
+  hop's stages' compute; the host-CPU floor counts the compressed bytes.
 - **All-reduce.** After its last W, each stage's group all-reduces its gradients with a ring:
   ``2 (n-1)/n * parameter_bytes / min_bandwidth + 2 (n-1) * max_latency`` over the group's pairs.
   The slowest stage's all-reduce is added to the step.

@@ -356,7 +356,14 @@ class Evaluator:
 
     def choose_hops(self, stages: Sequence[StagePlan], b: float) -> tuple[str, ...]:
         """:meth:`HopCodecs.choose`: each hop's compression for micro-batches of ``b``."""
-        return self.hops.choose(stages, b)
+        if not self.config.compression or len(stages) < 2:
+            return ()
+        last = len(stages) - 1
+        compute = [
+            sum(self._stage_cost(stage, b, int(s > 0) + int(s < last))[:3])
+            for s, stage in enumerate(stages)
+        ]
+        return self.hops.choose(stages, b, compute)
 
     def _stage_cost(self, stage: StagePlan, b: float, moves: int) -> tuple[float, ...]:
         """One stage's ``(F, B, W, cpu share, cpu period, saved bytes, transient bytes)`` for a

@@ -24,7 +24,8 @@ from lightning_deepcee.planner.profile_arrays import ProfileArrays
 __all__ = ["HOP_MARGIN", "HopCodecs"]
 
 HOP_MARGIN = 0.05
-"""A hop takes a lossier method only if it moves the hop this much faster than the next."""
+"""A hop takes a lossier method only if it moves the hop faster than the next by more than this
+share of its slower stage's compute per micro-batch."""
 
 
 class HopCodecs:
@@ -56,16 +57,20 @@ class HopCodecs:
         shares = np.asarray(stage.batch_shares)
         return float((rates * shares).max()) * num_bytes / 4 * method.cost_factor
 
-    def choose(self, stages: Sequence[StagePlan], b: float) -> tuple[str, ...]:
+    def choose(
+        self, stages: Sequence[StagePlan], b: float, compute_s: Sequence[float]
+    ) -> tuple[str, ...]:
         """Per hop, the method of ``config.compression`` (or off) that moves a ``b``-sample
         micro-batch's activation and gradient fastest, counting both ends' encode and decode;
-        among methods within ``HOP_MARGIN`` of the fastest, the most accurate. ``()`` when the
-        config allows none or every hop stays off."""
+        among the methods within ``HOP_MARGIN`` of the hop's stages' compute per micro-batch
+        (``compute_s``, the slower of the two) of the fastest, the most accurate: a hop whose
+        transfers are small beside its compute stays exact. ``()`` when the config allows none
+        or every hop stays off."""
         allowed = self._config.compression
         if not allowed or len(stages) < 2:
             return ()
         chosen = []
-        for sender, receiver in itertools.pairwise(stages):
+        for h, (sender, receiver) in enumerate(itertools.pairwise(stages)):
             num_bytes = self.boundary_bytes(sender, b)
             seconds = {}
             for name in ("off", *allowed):
@@ -77,6 +82,7 @@ class HopCodecs:
                     + self.codec_time_s(receiver, method, num_bytes)
                 )
             fastest = min(seconds.values())
-            near = [n for n, t in seconds.items() if t <= fastest * (1 + HOP_MARGIN)]
+            slack = HOP_MARGIN * max(compute_s[h], compute_s[h + 1])
+            near = [n for n, t in seconds.items() if t <= fastest + slack]
             chosen.append(min(near, key=lambda n: METHODS[n].typical_error))
         return () if all(name == "off" for name in chosen) else tuple(chosen)
