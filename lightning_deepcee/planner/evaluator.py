@@ -334,14 +334,16 @@ class Evaluator:
             hops = self.choose_hops(stages, b)
         send_forward, send_backward = [], []
         for h, (sender, receiver) in enumerate(itertools.pairwise(stages)):
-            method = METHODS[hops[h] if hops else "off"]
             num_bytes = self.hops.boundary_bytes(sender, b)
-            send_forward.append(self.transfer_time_s(sender, receiver, num_bytes * method.ratio))
-            send_backward.append(self.transfer_time_s(receiver, sender, num_bytes * method.ratio))
-            for s in (h, h + 1):  # each side encodes one direction and decodes the other
-                codec_s = self.hops.codec_time_s(stages[s], method, num_bytes) / 2
-                forward[s] += codec_s
-                backward_input[s] += codec_s
+            method = METHODS[hops[h]] if hops else None
+            if method is not None:
+                for s in (h, h + 1):  # each side encodes one direction and decodes the other
+                    codec_s = self.hops.codec_time_s(stages[s], method, num_bytes) / 2
+                    forward[s] += codec_s
+                    backward_input[s] += codec_s
+                num_bytes *= method.ratio
+            send_forward.append(self.transfer_time_s(sender, receiver, num_bytes))
+            send_backward.append(self.transfer_time_s(receiver, sender, num_bytes))
         return StageCosts(
             forward_s=tuple(forward),
             backward_input_s=tuple(backward_input),

@@ -57,6 +57,28 @@ class HopCodecs:
         shares = np.asarray(stage.batch_shares)
         return float((rates * shares).max()) * num_bytes / 4 * method.cost_factor
 
+    def explain(self, stages: Sequence[StagePlan], b: float, hops: Sequence[str]) -> str:
+        """Why each compressed hop is: a ``b``-sample micro-batch's activation and gradient over
+        its link in fp32 and with its method (codec time included); empty when none is."""
+        parts = []
+        for h, method in enumerate(hops):
+            if method == "off":
+                continue
+            sender, receiver = stages[h], stages[h + 1]
+            num_bytes = self.boundary_bytes(sender, b)
+            moved = [
+                self._transfer_time_s(sender, receiver, num_bytes * m.ratio)
+                + self._transfer_time_s(receiver, sender, num_bytes * m.ratio)
+                + self.codec_time_s(sender, m, num_bytes)
+                + self.codec_time_s(receiver, m, num_bytes)
+                for m in (METHODS["off"], METHODS[method])
+            ]
+            parts.append(
+                f"hop {h}->{h + 1} {method}: a micro-batch's activation and gradient take "
+                f"{moved[0] * 1e3:.1f} ms in fp32, {moved[1] * 1e3:.1f} ms compressed"
+            )
+        return "; ".join(parts)
+
     def choose(
         self, stages: Sequence[StagePlan], b: float, compute_s: Sequence[float]
     ) -> tuple[str, ...]:

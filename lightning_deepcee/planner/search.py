@@ -299,7 +299,8 @@ def _with_bounds(
     """``plan`` with its compute bounds and where its predicted step goes."""
     rates = sample_rates(profile)
     bound = compute_bound_s(rates, plan.ranks, global_batch_size)
-    p = Evaluator(profile, config).predict_plan(plan)
+    evaluator = Evaluator(profile, config)
+    p = evaluator.predict_plan(plan)
     pipeline = p.pipeline_s + p.allreduce_s + p.optimizer_s
     parts = {
         "bound": bound,
@@ -310,8 +311,10 @@ def _with_bounds(
         "optimizer": p.optimizer_s,
         "cpu_quota": max(0.0, p.step_time_s - pipeline),
     }
+    why = evaluator.hops.explain(plan.stages, plan.microbatch_size, plan.hop_compression)
     return dataclasses.replace(
         plan,
+        notes=f"{plan.notes}; {why}" if why else plan.notes,
         compute_bound_s=bound,
         cluster_bound_s=compute_bound_s(rates, range(profile.num_devices), global_batch_size),
         step_parts_s=parts,

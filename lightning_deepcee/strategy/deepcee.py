@@ -144,8 +144,8 @@ class DeepCEEStrategy(DDPStrategy):
             picks what trains (``plan_trial.py``); 1 trains the searched plan untimed.
         compression: what the automatic plan may do to the float32 tensors that cross a
             pipeline hop in training: ``"off"`` (exact), ``"auto"`` (the planner picks per hop
-            among ``bf16``, ``tah8``, ``tah4`` where the link makes it pay), or a list of those
-            names (docs/compression.md).
+            ``bf16`` or ``tah8`` where the link makes it pay), or a list of method names, e.g.
+            ``["tah8", "tah4"]`` (docs/compression.md).
     """
 
     strategy_name = "deepcee"

@@ -10,7 +10,7 @@ from lightning_deepcee.planner.compression import METHODS, allowed_methods, chec
 
 def test_settings_name_the_methods_the_planner_may_choose() -> None:
     assert allowed_methods("off") == ()
-    assert allowed_methods("auto") == ("bf16", "tah8", "tah4")
+    assert allowed_methods("auto") == ("bf16", "tah8")  # tah4 only when named
     assert allowed_methods("tah8") == ("tah8",)
     assert allowed_methods(["tah8", "off", "bf16", "tah8"]) == ("tah8", "bf16")
     with pytest.raises(ValueError, match=r"unknown method.*'int2'"):

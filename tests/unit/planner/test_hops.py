@@ -13,7 +13,7 @@ from lightning_deepcee.planner import CostModelConfig, Evaluator, Plan, StagePla
 from lightning_deepcee.planner.compression import METHODS
 from tests.helpers.clusters import make_profile
 
-AUTO = CostModelConfig(compression="auto")
+EVERY = CostModelConfig(compression=("bf16", "tah8", "tah4"))
 
 
 def _two_stage(
@@ -27,12 +27,14 @@ def _two_stage(
         StagePlan(block_range=(0, 1), ranks=(0,), batch_shares=(1.0,)),
         StagePlan(block_range=(1, 2), ranks=(1,), batch_shares=(1.0,)),
     ]
-    return Evaluator(profile, AUTO), stages
+    return Evaluator(profile, EVERY), stages
 
 
 def test_a_slow_hop_is_compressed_a_fast_one_is_not() -> None:
     slow, stages = _two_stage(bandwidth=3e6)  # 4 MB in 1.3 s each way: 4 bits pay most
     assert slow.choose_hops(stages, 1.0) == ("tah4",)
+    auto = Evaluator(slow.profile, CostModelConfig(compression="auto"))
+    assert auto.choose_hops(stages, 1.0) == ("tah8",)  # "auto" never takes 4 bits
     fast, stages = _two_stage(bandwidth=1e12)  # the link is free: nothing to gain, all to lose
     assert fast.choose_hops(stages, 1.0) == ()
     # 1 GB/s: bf16 halves 8 ms of transfers, a saving under 5% of a stage's 150 ms of compute
@@ -75,16 +77,17 @@ def test_search_keeps_the_choice_and_predicting_a_plan_uses_its_own_hops(tmp_pat
         bandwidth=np.where(zone[:, None] == zone[None, :], 1e10, 2e6), parameter_bytes=20_000,
     )  # fmt: skip
     plain = plan_search(profile, num_blocks=8, global_batch_size=16)
-    packed = plan_search(profile, num_blocks=8, global_batch_size=16, config=AUTO)
+    packed = plan_search(profile, num_blocks=8, global_batch_size=16, config=EVERY)
     assert plain.hop_compression == ()
     assert packed.hop_compression and any(h != "off" for h in packed.hop_compression)
     assert packed.predicted_step_time_s < plain.predicted_step_time_s
     assert "compressed=" in packed.format_table()
+    assert "ms in fp32" in packed.notes and "ms in fp32" not in plain.notes  # why, in the notes
     path = tmp_path / "plan.json"
     packed.to_json(path)
     assert Plan.from_json(path) == packed
     # An uncompressed plan predicted under a config that allows compression stays uncompressed.
-    p = Evaluator(profile, AUTO).predict_plan(plain)
+    p = Evaluator(profile, EVERY).predict_plan(plain)
     assert p.hop_compression == ()
     assert p.step_time_s == pytest.approx(Evaluator(profile).predict_plan(plain).step_time_s)
     # And the compressed plan predicts as the search said.
