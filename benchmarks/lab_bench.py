@@ -69,14 +69,7 @@ LIGHTNING_SYSTEMS = (
 )
 PIPE_SYSTEMS = ("pipe-gpipe", "pipe-1f1b", "pipe-zb")
 SYSTEMS = LIGHTNING_SYSTEMS + PIPE_SYSTEMS
-DEEPCEE_SYSTEMS = (
-    "deepcee",
-    "deepcee-adapter",
-    "deepcee-manual",
-    "deepcee-dp",
-    "deepcee-dp-flat",
-    "deepcee-zip",
-)
+DEEPCEE_SYSTEMS = tuple(s for s in LIGHTNING_SYSTEMS if s.startswith("deepcee"))
 REGION_SUBSETS = "ddp-regions"
 """Expands to ``ddp@<regions>`` for every region subset of :func:`region_subsets`."""
 

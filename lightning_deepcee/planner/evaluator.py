@@ -510,8 +510,7 @@ class Evaluator:
             params = arrays.parameter_bytes(stage.block_range)
             allreduce_s = max(allreduce_s, self.allreduce_time_s(stage.ranks, params))
             index = np.asarray(stage.ranks)
-            measured = arrays.optimizer_rate[index]
-            rates = np.where(measured > 0, measured, config.optimizer_s_per_byte)
+            rates = arrays.optimizer_rates(stage.ranks, config.optimizer_s_per_byte)
             optimizer_s = max(optimizer_s, float(rates.max()) * params)
             if arrays.has_quota:
                 busy_s = m * (

@@ -51,11 +51,21 @@ class HopCodecs:
         device, on its share of the rows)."""
         if method.code == 0:
             return 0.0
-        index = np.asarray(stage.ranks)
-        measured = self._arrays.optimizer_rate[index]
-        rates = np.where(measured > 0, measured, self._config.optimizer_s_per_byte)
+        rates = self._arrays.optimizer_rates(stage.ranks, self._config.optimizer_s_per_byte)
         shares = np.asarray(stage.batch_shares)
         return float((rates * shares).max()) * num_bytes / 4 * method.cost_factor
+
+    def hop_time_s(self, sender: StagePlan, receiver: StagePlan, method: str, b: float) -> float:
+        """A ``b``-sample micro-batch's activation and gradient over the hop with ``method``:
+        both directions on the wire plus both stages' encode and decode."""
+        codec = METHODS[method]
+        num_bytes = self.boundary_bytes(sender, b)
+        return (
+            self._transfer_time_s(sender, receiver, num_bytes * codec.ratio)
+            + self._transfer_time_s(receiver, sender, num_bytes * codec.ratio)
+            + self.codec_time_s(sender, codec, num_bytes)
+            + self.codec_time_s(receiver, codec, num_bytes)
+        )
 
     def explain(self, stages: Sequence[StagePlan], b: float, hops: Sequence[str]) -> str:
         """Why each compressed hop is: a ``b``-sample micro-batch's activation and gradient over
@@ -65,14 +75,7 @@ class HopCodecs:
             if method == "off":
                 continue
             sender, receiver = stages[h], stages[h + 1]
-            num_bytes = self.boundary_bytes(sender, b)
-            moved = [
-                self._transfer_time_s(sender, receiver, num_bytes * m.ratio)
-                + self._transfer_time_s(receiver, sender, num_bytes * m.ratio)
-                + self.codec_time_s(sender, m, num_bytes)
-                + self.codec_time_s(receiver, m, num_bytes)
-                for m in (METHODS["off"], METHODS[method])
-            ]
+            moved = [self.hop_time_s(sender, receiver, m, b) for m in ("off", method)]
             parts.append(
                 f"hop {h}->{h + 1} {method}: a micro-batch's activation and gradient take "
                 f"{moved[0] * 1e3:.1f} ms in fp32, {moved[1] * 1e3:.1f} ms compressed"
@@ -93,16 +96,7 @@ class HopCodecs:
             return ()
         chosen = []
         for h, (sender, receiver) in enumerate(itertools.pairwise(stages)):
-            num_bytes = self.boundary_bytes(sender, b)
-            seconds = {}
-            for name in ("off", *allowed):
-                method = METHODS[name]
-                seconds[name] = (
-                    self._transfer_time_s(sender, receiver, num_bytes * method.ratio)
-                    + self._transfer_time_s(receiver, sender, num_bytes * method.ratio)
-                    + self.codec_time_s(sender, method, num_bytes)
-                    + self.codec_time_s(receiver, method, num_bytes)
-                )
+            seconds = {n: self.hop_time_s(sender, receiver, n, b) for n in ("off", *allowed)}
             fastest = min(seconds.values())
             slack = HOP_MARGIN * max(compute_s[h], compute_s[h + 1])
             near = [n for n, t in seconds.items() if t <= fastest + slack]

@@ -11,6 +11,8 @@ groups with the WAN capacity between them. An
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
@@ -107,6 +109,11 @@ class ProfileArrays:
             self.group_capacity[a] = _median_by_label(
                 self.bandwidth[self.network_group == a], self.network_group, count, a
             )
+
+    def optimizer_rates(self, ranks: Sequence[int], default: float) -> Array:
+        """Optimizer seconds per parameter byte of ``ranks``: measured, else ``default``."""
+        measured = self.optimizer_rate[np.asarray(ranks)]
+        return np.where(measured > 0, measured, default)
 
     def parameter_bytes(self, block_range: tuple[int, int]) -> float:
         """Parameter bytes of the blocks ``[start, end)`` (the largest over devices)."""
