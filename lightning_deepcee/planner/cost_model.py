@@ -31,7 +31,12 @@ evaluator instead. The model, stated once:
   block compute alone does not show, so plans with many micro-batch actions there would be
   predicted too fast without this term. It is only as good as the measured ``fixed_s``, which a
   short CPU-quota period makes noisy. With ``fixed_s = 0`` (hand-written profiles) there is no
-  overhead. A merged BW action is charged as B and W (one action more).
+  overhead.
+- **One backward pass.** A BW action (1F1B, GPipe) runs a micro-batch's backward in one call,
+  which costs less than B then W (two walks over the graph): it is charged the blocks'
+  ``backward_s`` (measured by the profiler; ``B + W`` where not measured) and one action. The
+  first stage runs its backward whole in every schedule (nothing upstream needs its input
+  gradient): its B only dispatches, its W is that one pass.
 - **Activation transfers.** Between consecutive stages a micro-batch's boundary activation
   (``activation_bytes`` of the sending stage's last block, per sample, times the micro-batch size)
   moves once forward and its gradient once backward. Rows are laid out by shares on both sides, so

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +35,12 @@ from lightning_deepcee.schedule.compiled import (
     compile_schedule,
     compile_stage_schedule,
 )
-from lightning_deepcee.schedule.generators import SCHEDULE_KINDS, StageSchedule, generate
+from lightning_deepcee.schedule.generators import (
+    MERGED_BACKWARD_KINDS,
+    SCHEDULE_KINDS,
+    StageSchedule,
+    generate,
+)
 from lightning_deepcee.schedule.lowering import RankSchedule, lower
 from lightning_deepcee.schedule.simulate import StageCosts, simulate, simulate_stages
 from lightning_deepcee.schedule.validate import validate
@@ -325,10 +331,11 @@ class Evaluator:
         b = microbatch_size
         last = len(stages) - 1
         rows = [
-            self._stage_cost(stage, b, int(s > 0) + int(s < last)) for s, stage in enumerate(stages)
+            self._stage_cost(stage, b, int(s > 0) + int(s < last), s == 0)
+            for s, stage in enumerate(stages)
         ]
-        forward, backward_input, backward_weight, share, period, activation, transient = (
-            [row[k] for row in rows] for k in range(7)
+        forward, backward_input, backward_weight, merged, share, period, activation, transient = (
+            [row[k] for row in rows] for k in range(8)
         )
         if hops is None:
             hops = self.choose_hops(stages, b)
@@ -341,6 +348,7 @@ class Evaluator:
                     codec_s = self.hops.codec_time_s(stages[s], method, num_bytes) / 2
                     forward[s] += codec_s
                     backward_input[s] += codec_s
+                    merged[s] += codec_s
                 num_bytes *= method.ratio
             send_forward.append(self.transfer_time_s(sender, receiver, num_bytes))
             send_backward.append(self.transfer_time_s(receiver, sender, num_bytes))
@@ -348,6 +356,7 @@ class Evaluator:
             forward_s=tuple(forward),
             backward_input_s=tuple(backward_input),
             backward_weight_s=tuple(backward_weight),
+            backward_s=tuple(merged),
             activation_bytes=tuple(activation),
             transient_bytes=tuple(transient),
             send_forward_s=tuple(send_forward),
@@ -362,16 +371,17 @@ class Evaluator:
             return ()
         last = len(stages) - 1
         compute = [
-            sum(self._stage_cost(stage, b, int(s > 0) + int(s < last))[:3])
+            sum(self._stage_cost(stage, b, int(s > 0) + int(s < last), s == 0)[:3])
             for s, stage in enumerate(stages)
         ]
         return self.hops.choose(stages, b, compute)
 
-    def _stage_cost(self, stage: StagePlan, b: float, moves: int) -> tuple[float, ...]:
-        """One stage's ``(F, B, W, cpu share, cpu period, saved bytes, transient bytes)`` for a
-        micro-batch of ``b`` samples, with ``moves`` transfers per F and per B; memoised (a
-        search scores many layouts that share most of their stages)."""
-        key = (stage.ranks, stage.batch_shares, stage.block_range, b, moves)
+    def _stage_cost(self, stage: StagePlan, b: float, moves: int, first: bool) -> tuple[float, ...]:
+        """One stage's ``(F, B, W, BW, cpu share, cpu period, saved bytes, transient bytes)`` for
+        a micro-batch of ``b`` samples, with ``moves`` transfers per F and per B; memoised (a
+        search scores many layouts that share most of their stages). The ``first`` stage runs
+        its backward whole, as a BW does: its B only dispatches, its W is that backward."""
+        key = (stage.ranks, stage.batch_shares, stage.block_range, b, moves, first)
         found = self._stages.get(key)
         if found is not None:
             return found
@@ -380,24 +390,26 @@ class Evaluator:
         rows = np.asarray(stage.batch_shares) * b  # mean rows per micro-batch
         active = np.minimum(rows, 1.0)  # below one row: a row in that fraction of them
         start, end = stage.block_range
-        # Executor actions per micro-batch: F with its receive and send, B with its receive and
-        # send (none across the pipeline's ends), W.
+        # Executor actions per micro-batch: F with its receive and send, B (or BW) with its
+        # receive and send (none across the pipeline's ends), W.
         overhead = arrays.action_overhead[index]
-        stage_total = np.zeros(len(index))
-        times = []
-        for slope, fixed, actions in (
-            (arrays.forward, arrays.forward_fixed, 1 + moves),
-            (arrays.backward_input, arrays.backward_input_fixed, 1 + moves),
-            (arrays.backward_weight, arrays.backward_weight_fixed, 1),
-        ):
+
+        def part(slope: Array, fixed: Array, actions: int) -> Array:
             seconds = active * (fixed[index, end] - fixed[index, start] + actions * overhead)
-            seconds = seconds + rows * (slope[index, end] - slope[index, start])
-            times.append(float(seconds.max()))
-            stage_total += seconds
+            return seconds + rows * (slope[index, end] - slope[index, start])
+
+        forward = part(arrays.forward, arrays.forward_fixed, 1 + moves)
+        merged = part(arrays.backward, arrays.backward_fixed, 1 + moves)
+        if first:
+            backward_input = active * (1 + moves) * overhead
+            backward_weight = merged - active * moves * overhead
+        else:
+            backward_input = part(arrays.backward_input, arrays.backward_input_fixed, 1 + moves)
+            backward_weight = part(arrays.backward_weight, arrays.backward_weight_fixed, 1)
         # The stage keeps the pace of its slowest device, so that device's quota applies.
-        slowest = int(index[int(np.argmax(stage_total))])
+        slowest = int(index[int(np.argmax(forward + backward_input + backward_weight))])
         found = (
-            *times,
+            *(float(t.max()) for t in (forward, backward_input, backward_weight, merged)),
             float(arrays.cpu_share[slowest]),
             float(arrays.cpu_period[slowest]),
             arrays.saved_bytes(stage.block_range) * b,
@@ -487,12 +499,12 @@ class Evaluator:
         hops = self.choose_hops(stages, b) if hops is None else tuple(hops)
         costs = self.stage_costs(stages, microbatch_size=b, hops=hops)
         pipeline_s, bubble, activation_peak = self._simulate(costs, schedule, m, stage_schedule)
-        compute_s = m * max(
-            f + bi + w
-            for f, bi, w in zip(
-                costs.forward_s, costs.backward_input_s, costs.backward_weight_s, strict=True
-            )
-        )
+        if schedule in MERGED_BACKWARD_KINDS:
+            backward = costs.merged_backward_s
+        else:
+            backward = tuple(map(operator.add, costs.backward_input_s, costs.backward_weight_s))
+        busy = [m * (f + bw) for f, bw in zip(costs.forward_s, backward, strict=True)]
+        compute_s = max(busy)
         transfer_s = 0.0
         if breakdown and len(stages) > 1:
             free = dataclasses.replace(
@@ -513,10 +525,7 @@ class Evaluator:
             rates = arrays.optimizer_rates(stage.ranks, config.optimizer_s_per_byte)
             optimizer_s = max(optimizer_s, float(rates.max()) * params)
             if arrays.has_quota:
-                busy_s = m * (
-                    costs.forward_s[s] + costs.backward_input_s[s] + costs.backward_weight_s[s]
-                )
-                floor_s = self._cpu_floor(stages, s, busy_s, rates * params, m * b, hops)
+                floor_s = self._cpu_floor(stages, s, busy[s], rates * params, m * b, hops)
                 cpu_floor_s = max(cpu_floor_s, floor_s)
             per_row = activation_peak[s] / b  # the simulator's peak is for b rows
             peaks = np.round(

@@ -29,8 +29,9 @@ class ProfileArrays:
 
     Prefix sums have a leading 0 column, so blocks ``[start, end)`` of device ``d`` take
     ``prefix[d, end] - prefix[d, start]``. Block times are split as the cost model describes
-    (*Compute is affine in the micro-batch size*): for each of F, B and W a per-sample slope
-    (``forward``, ...) and the fixed part per call (``forward_fixed``, ...).
+    (*Compute is affine in the micro-batch size*): for each of F, B, W and the whole backward in
+    one call (BW) a per-sample slope (``forward``, ...) and the fixed part per call
+    (``forward_fixed``, ...).
     """
 
     def __init__(self, profile: ClusterProfile) -> None:
@@ -57,6 +58,8 @@ class ProfileArrays:
         self.forward, self.forward_fixed = split("forward_s")
         self.backward_input, self.backward_input_fixed = split("backward_input_s")
         self.backward_weight, self.backward_weight_fixed = split("backward_weight_s")
+        self.backward, self.backward_fixed = split("merged_backward_s")
+        """The whole backward in one call (a BW action, a first stage): slope and fixed part."""
         num_calls = 3 * max(fixed.shape[1], 1)
         self.action_overhead: Array = fixed.sum(axis=1) / num_calls
         """Seconds each executor action costs a device beyond its compute: its mean per-call

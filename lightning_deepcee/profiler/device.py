@@ -24,7 +24,7 @@ PER_BLOCK_FIELDS = (
     "parameter_bytes",
 )
 
-OPTIONAL_PER_BLOCK_FIELDS = ("fixed_s", "saved_bytes", "transient_bytes")
+OPTIONAL_PER_BLOCK_FIELDS = ("fixed_s", "backward_s", "saved_bytes", "transient_bytes")
 """Per-block fields a profile may leave empty (hand-written, or measured before they existed)."""
 
 PROFILE_ARRAYS = frozenset(
@@ -116,6 +116,11 @@ class DeviceProfile:
     intercept of an affine fit ``t(n) = fixed + slope * n`` measured at two micro-batch sizes.
     Empty (the default, e.g. a hand-written profile) means 0 for every block: compute is then
     linear in the micro-batch size."""
+    backward_s: tuple[float, ...] = ()
+    """Seconds of each block's whole backward in one call (``B`` and ``W`` in one pass over its
+    graph, as a ``BW`` action of 1F1B or GPipe, and a first stage, run it), at most its
+    ``B + W``. Empty (the default, e.g. a hand-written profile) means ``B + W``; see
+    :attr:`merged_backward_s`."""
     optimizer_s_per_byte: float = 0.0
     """Seconds per parameter byte of an optimizer step on this device (the profiler times
     ``torch.optim.Adam`` on a block's parameters, at the sustained speed). 0 (the default, and
@@ -182,6 +187,13 @@ class DeviceProfile:
             ),
         )
         self._check_fixed_s()
+        merged = check.sequence("backward_s", self.backward_s, check.seconds)
+        if merged and len(merged) != len(self.forward_s):
+            raise ValueError(
+                f"backward_s: expected {len(self.forward_s)} entries (one per block, like "
+                f"forward_s) or none, got {len(merged)}"
+            )
+        set_field(self, "backward_s", merged)
         for name in ("saved_bytes", "transient_bytes"):
             values = check.sequence(name, getattr(self, name), check.byte_count)
             if values and len(values) != len(self.forward_s):
@@ -251,6 +263,14 @@ class DeviceProfile:
         """Bytes per sample each block holds per micro-batch in flight: ``saved_bytes`` where
         measured, else ``activation_bytes``."""
         return self.saved_bytes or self.activation_bytes
+
+    @property
+    def merged_backward_s(self) -> tuple[float, ...]:
+        """Seconds of each block's backward in one call: ``backward_s`` where measured, else
+        ``B + W``."""
+        return self.backward_s or tuple(
+            b + w for b, w in zip(self.backward_input_s, self.backward_weight_s, strict=True)
+        )
 
     @property
     def block_seconds(self) -> tuple[float, ...]:

@@ -230,6 +230,7 @@ def run_compiled(
     forward_s: Sequence[float],
     backward_input_s: Sequence[float],
     backward_weight_s: Sequence[float],
+    backward_s: Sequence[float],
     send_forward_s: Sequence[float],
     send_backward_s: Sequence[float],
     scale: Sequence[float],
@@ -278,7 +279,7 @@ def run_compiled(
                     elif code == _W:
                         seconds = backward_weight_s[s]
                     else:
-                        seconds = backward_input_s[s] + backward_weight_s[s]
+                        seconds = backward_s[s]
                     seconds *= scale[mb]
                     if quota is not None and quota[s][0] < 1.0 and quota[s][1] > 0.0:
                         share, period = quota[s]

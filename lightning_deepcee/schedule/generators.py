@@ -117,6 +117,11 @@ _GENERATORS: dict[str, Callable[[int, int], StageSchedule]] = {
 }
 SCHEDULE_KINDS: tuple[str, ...] = tuple(_GENERATORS)
 
+MERGED_BACKWARD_KINDS: frozenset[str] = frozenset(
+    kind for kind, gen in _GENERATORS.items() if any(a.kind == BW for a in gen(1, 1)[0])
+)
+"""Kinds that run each micro-batch's backward as one BW action (the others split it)."""
+
 
 def generate(kind: str, num_stages: int, num_microbatches: int) -> StageSchedule:
     """Generate the named schedule (one of :data:`SCHEDULE_KINDS`)."""

@@ -2,7 +2,8 @@
 
 This module owns the timing model the planner uses to compare schedules before anything runs:
 
-- a rank runs its actions in order; F, B, W and BW take their per-stage cost (``BW`` costs B + W);
+- a rank runs its actions in order; F, B, W and BW take their per-stage cost (``BW``: its own
+  ``backward_s`` where given, else B + W);
 - a SEND costs the sender nothing (the runtime sends asynchronously) and occupies the directed
   link ``(src_rank, dst_rank)`` for its transfer time, first in first out: a message starts when
   both the sender has reached the SEND and the previous message on that link has arrived;
@@ -82,7 +83,7 @@ class StageCosts:
     backward_input_s: tuple[float, ...]
     """Seconds of B (gradient w.r.t. the stage input) on each stage."""
     backward_weight_s: tuple[float, ...]
-    """Seconds of W (gradient w.r.t. the weights) on each stage; BW costs B + W."""
+    """Seconds of W (gradient w.r.t. the weights) on each stage."""
     activation_bytes: tuple[float, ...]
     """Bytes one micro-batch's saved activations hold on each stage, from its F to its W/BW."""
     send_forward_s: tuple[float, ...]
@@ -103,13 +104,16 @@ class StageCosts:
     ``cpu_period_s``."""
     cpu_period_s: tuple[float, ...] | None = None
     """Per stage, that quota's period in seconds; None, or 0, means no quota."""
+    backward_s: tuple[float, ...] | None = None
+    """Seconds of a BW action (the whole backward in one pass) on each stage; None means B + W.
+    One pass over the graph costs less than B then W on a CPU."""
 
     def __post_init__(self) -> None:
         p = len(self.forward_s)
         if p < 1:
             raise ValueError("StageCosts.forward_s is empty; give one entry per stage.")
         per_stage = ["forward_s", "backward_input_s", "backward_weight_s", "activation_bytes"]
-        for name in ("static_memory_bytes", "transient_bytes"):
+        for name in ("static_memory_bytes", "transient_bytes", "backward_s"):
             if getattr(self, name) is not None:
                 per_stage.append(name)
         for name in [*per_stage, "send_forward_s", "send_backward_s", "microbatch_scale"]:
@@ -143,6 +147,14 @@ class StageCosts:
     def num_stages(self) -> int:
         """Number of pipeline stages these costs describe."""
         return len(self.forward_s)
+
+    @property
+    def merged_backward_s(self) -> tuple[float, ...]:
+        """Seconds of a BW action on each stage: ``backward_s``, else B + W."""
+        if self.backward_s is not None:
+            return self.backward_s
+        pairs = zip(self.backward_input_s, self.backward_weight_s, strict=True)
+        return tuple(b + w for b, w in pairs)
 
     @classmethod
     def uniform(
@@ -330,7 +342,7 @@ class _Simulator:
             elif a.kind == K.W:
                 seconds = c.backward_weight_s[s]
             else:  # K.BW
-                seconds = c.backward_input_s[s] + c.backward_weight_s[s]
+                seconds = c.merged_backward_s[s]
             seconds *= self.scale[mb]
             start = self.clock[rank]
             end = self._compute_end(rank, s, start, seconds)
@@ -511,6 +523,7 @@ def _simulate_compiled(
         forward_s=costs.forward_s,
         backward_input_s=costs.backward_input_s,
         backward_weight_s=costs.backward_weight_s,
+        backward_s=costs.merged_backward_s,
         send_forward_s=costs.send_forward_s,
         send_backward_s=costs.send_backward_s,
         scale=scale,

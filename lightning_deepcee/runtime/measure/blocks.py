@@ -1,7 +1,8 @@
 """Block timings: forward, ``B`` and ``W`` seconds of each block, and what they cost per call.
 
 :func:`measure_blocks` times each block split exactly like the executor splits it
-(``stage_backward_input`` / ``stage_backward_weight``), then corrects the fastest figures into a
+(``stage_backward_input`` / ``stage_backward_weight``) and whole (one backward call, as a
+``BW`` action runs it), then corrects the fastest figures into a
 training step's: the per-call cost a smaller micro-batch cannot shrink, the sustained speed under
 a CPU quota, an optimizer step's rate, and the median over rounds. Blocks may pass block values
 (a tensor, or tuples/lists/dicts of them: ``runtime/values.py``) from one to the next. It also
@@ -51,6 +52,15 @@ _SMALL_PASS_SHARE = 0.5
 """A pass at a quarter of the micro-batch costs about half a full pass (per-call costs do not
 shrink with the rows): what :func:`fit_passes` charges for the second size's passes."""
 
+_MERGED_PASS_SHARE = 0.9
+"""A pass with each block's backward in one call (no separate ``B``) costs a little less than a
+split pass: what :func:`fit_passes` charges for each of them."""
+
+
+def _merged_repeats(repeats: int) -> int:
+    """Timed passes with merged backwards per round: half the split ones, two at least."""
+    return max(2, repeats // 2)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BlockTimings:
@@ -73,6 +83,10 @@ class BlockTimings:
     intercept of the line through the totals at ``microbatch_size`` and at a quarter of it (two
     samples at least), shared out by each block's time at the small size. Empty when the
     micro-batch is too small for a second size."""
+    backward_s: tuple[float, ...] = ()
+    """Seconds of each block's whole backward in one call (input and weight gradients in one
+    pass over its graph, as a ``BW`` action and a first stage run it), at most its ``B + W``:
+    one pass costs less than two. Empty when not measured."""
     optimizer_s_per_byte: float = 0.0
     """Seconds per parameter byte of a reference optimizer step (``torch.optim.Adam``, the
     default ``foreach`` path) on this device, timed on clones of the largest block's parameters
@@ -144,6 +158,10 @@ def measure_blocks(
       two sizes also bound each other (:func:`_clamp_stalls`): an affine cost at ``size`` rows
       is at most ``size / small`` times its cost at ``small`` rows, so a call that a CPU quota
       stalled in every repeat is recognised and cut back.
+    - **Merged backward.** Half as many passes again (two at least) run each block's backward in
+      one call (``backward_s``): what a ``BW`` action of 1F1B or GPipe, and a first stage's
+      backward, cost. One pass over a block's graph is cheaper than ``B`` then ``W``, which walk
+      it twice (about 15% on a CPU), and the planner would otherwise overcharge those schedules.
     - **Sustained speed.** The fastest calls miss throttling that only bites after a while (a
       cgroup CPU quota allows a burst, then stalls the process until the next period). Full
       passes over all blocks run back to back for ``sustain_s`` seconds (two at least); if they
@@ -203,22 +221,25 @@ def fit_passes(
     one pass over all blocks takes ``pass_s``; at most the given figures, at least one round of
     two timed repeats and no warmup (the probe pass warmed up).
 
-    A round costs ``(warmup + repeats) * 1.5 + 2`` passes (the timed passes at both sizes, two
-    sustained passes) and the first one a pass more (memory). Rounds go first: their median
+    A round costs ``(warmup + repeats) * 1.5 + 0.9 * max(2, repeats // 2) + 2`` passes (the
+    timed passes at both sizes, the merged-backward passes, two sustained passes) and the first
+    one a pass more (memory). Rounds go first: their median
     steadies the sustained speed, which matters less than each block's fastest time.
     """
     allowed = budget_s / max(pass_s, 1e-9)
 
     def cost(num_rounds: int, num_repeats: int, num_warmup: int) -> float:
         per_round = (num_warmup + num_repeats) * (1 + _SMALL_PASS_SHARE) + 2
+        per_round += _MERGED_PASS_SHARE * _merged_repeats(num_repeats)
         return num_rounds * per_round + 1
 
     for num_rounds in range(rounds, 0, -1):
         if cost(num_rounds, repeats, warmup) <= allowed:
             return num_rounds, repeats, warmup
-    passes = max(0, math.floor((allowed - 3) / (1 + _SMALL_PASS_SHARE)))
-    num_repeats = min(repeats, max(2, passes))
-    return 1, num_repeats, min(warmup, max(0, passes - num_repeats))
+    fit = [r for r in range(2, repeats + 1) if cost(1, r, 0) <= allowed]
+    num_repeats = max(fit, default=2)
+    fit = [w for w in range(warmup + 1) if cost(1, num_repeats, w) <= allowed]
+    return 1, num_repeats, max(fit, default=0)
 
 
 def _probe_pass(
@@ -255,12 +276,16 @@ def _median_timings(rounds: Sequence[BlockTimings]) -> BlockTimings:
     totals = [sum(parts) for parts in zip(forward, backward_input, backward_weight, strict=True)]
     # fixed_s is empty when the micro-batch was too small for a second size: strict=False.
     fixed = tuple(min(f, t) for f, t in zip(per_block("fixed_s"), totals, strict=False))
+    # Likewise the merged backward is capped at the median B + W.
+    splits = [b + w for b, w in zip(backward_input, backward_weight, strict=True)]
+    merged = tuple(min(m, t) for m, t in zip(per_block("backward_s"), splits, strict=False))
     return dataclasses.replace(
         rounds[0],
         forward_s=forward,
         backward_input_s=backward_input,
         backward_weight_s=backward_weight,
         fixed_s=fixed,
+        backward_s=merged,
         optimizer_s_per_byte=statistics.median(r.optimizer_s_per_byte for r in rounds),
         sustained_factor=statistics.median(r.sustained_factor for r in rounds),
     )
@@ -306,6 +331,19 @@ def _measure_round(
                     f"micro-batch ({exc}); fixed per-call costs are not measured (taken as 0)",
                     stacklevel=2,
                 )
+        merged = pool_alike(
+            block_fastest(
+                blocks,
+                inputs,
+                loss_fn,
+                sample_batch,
+                _merged_repeats(repeats),
+                0,
+                jitter,
+                merged=True,
+            ),
+            classes,
+        )
         fixed = []
         if small_fastest is not None:
             fastest, small_fastest = _clamp_stalls(fastest, small_fastest, size / small)
@@ -331,6 +369,9 @@ def _measure_round(
         transient_bytes=transient,
         microbatch_size=size,
         fixed_s=tuple(value * factor for value in fixed),
+        backward_s=tuple(
+            min(bw, b + w) * factor for (_, _, bw), (_, b, w) in zip(merged, fastest, strict=True)
+        ),
         optimizer_s_per_byte=optimizer * factor,
         sustained_factor=factor,
     )

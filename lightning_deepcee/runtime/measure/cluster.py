@@ -282,6 +282,7 @@ _TIMING_FIELDS = (
     "saved_bytes",
     "transient_bytes",
     "fixed_s",
+    "backward_s",
     "optimizer_s_per_byte",
 )
 """The :class:`BlockTimings` fields a :class:`DeviceProfile` takes over under the same name."""

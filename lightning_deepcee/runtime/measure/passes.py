@@ -37,8 +37,11 @@ def block_fastest(
     repeats: int,
     warmup: int,
     jitter_s: float = 0.0,
+    *,
+    merged: bool = False,
 ) -> list[tuple[float, float, float]]:
-    """Fastest (F, B, W) seconds of each block on its input in ``inputs`` (over ``repeats``).
+    """Fastest (F, B, W) seconds of each block on its input in ``inputs`` (over ``repeats``);
+    with ``merged``, (F, 0, whole backward) as :func:`time_pass` gives them.
 
     The fastest call is the one that ran unthrottled: a CPU quota stalls whichever calls run
     after the period's budget is spent, and a median of a few consecutive calls lands on either.
@@ -58,7 +61,7 @@ def block_fastest(
     for repeat in range(warmup + repeats):
         if jitter_s > 0:
             time.sleep(phases.uniform(0.0, jitter_s))
-        timings = time_pass(blocks, inputs, loss_fn, sample_batch)
+        timings = time_pass(blocks, inputs, loss_fn, sample_batch, merged=merged)
         if repeat >= warmup:
             for index, timing in enumerate(timings):
                 times[index].append(timing)
@@ -158,6 +161,8 @@ def time_pass(
     inputs: Sequence[Any],
     loss_fn: LossFn | None,
     sample_batch: Any,
+    *,
+    merged: bool = False,
 ) -> list[tuple[float, float, float]]:
     """F of every block, then B of every block (last first), then W: seconds of each.
 
@@ -199,7 +204,7 @@ def time_pass(
     groups: list[Any] = [None] * len(blocks)
     for index in reversed(range(len(blocks))):
         needs_grad, roots, grads, params, differentiable = state[index]
-        if not differentiable or not needs_grad:
+        if merged or not differentiable or not needs_grad:
             continue
         start = time.perf_counter()
         _, groups[index] = stage_backward_input(roots, grads, needs_grad, iter(params))
@@ -211,7 +216,7 @@ def time_pass(
         if not differentiable:
             continue
         start = time.perf_counter()
-        if needs_grad:
+        if needs_grad and not merged:
             stage_backward_weight(iter(params), groups[index])
         else:
             torch.autograd.backward(roots, grads)

@@ -135,7 +135,8 @@ def test_a_shared_stage_takes_its_slowest_devices_quota() -> None:
 
 
 def test_runtime_overhead_is_one_fixed_call_per_executor_action() -> None:
-    """A middle stage runs 3 F-side, 3 B-side and 1 W action per micro-batch; ends run fewer."""
+    """A middle stage runs 3 F-side, 3 B-side and 1 W action per micro-batch; ends run fewer.
+    The first stage's B only dispatches (with its receive): its W is the whole backward."""
     profile = make_profile(speeds=[1.0, 0.25, 1.0], num_blocks=3, fixed_fraction=0.25)
     # Device d's fixed cost is 0.25 s per block call / speed: 0.25 s, 1 s (the slow device), 0.25 s.
     costs = stage_costs(profile, _pipeline(3, 1), microbatch_size=1)
@@ -144,6 +145,12 @@ def test_runtime_overhead_is_one_fixed_call_per_executor_action() -> None:
     f_actions, w_actions = [2, 3, 2], [1, 1, 1]
     for s in range(3):
         assert costs.forward_s[s] == pytest.approx(fixed[s] * (1 + f_actions[s]) + per_row[s])
+        split = fixed[s] * (3 + f_actions[s]) + 2 * per_row[s]  # B and W, as for a middle stage
+        assert costs.merged_backward_s[s] == pytest.approx(split - fixed[s])  # one action fewer
+        if s == 0:
+            assert costs.backward_input_s[s] == pytest.approx(f_actions[s] * fixed[s])
+            assert costs.backward_weight_s[s] == pytest.approx(split - f_actions[s] * fixed[s])
+            continue
         assert costs.backward_input_s[s] == pytest.approx(costs.forward_s[s])
         assert costs.backward_weight_s[s] == pytest.approx(
             fixed[s] * (1 + w_actions[s]) + per_row[s]
@@ -153,6 +160,36 @@ def test_runtime_overhead_is_one_fixed_call_per_executor_action() -> None:
     assert stage_costs(linear, _pipeline(3, 1), microbatch_size=1).forward_s == pytest.approx(
         (1.0, 4.0, 1.0)
     )
+
+
+def test_one_backward_pass_is_charged_where_the_executor_runs_one() -> None:
+    """A measured ``backward_s`` (the whole backward in one call) prices a BW action (1F1B,
+    GPipe) and the first stage's W; B and W of the other stages keep their split costs."""
+    base = make_profile(speeds=[1.0, 1.0, 1.0], num_blocks=3)
+    half = dataclasses.replace(
+        base,
+        devices=tuple(
+            dataclasses.replace(d, backward_s=tuple(0.5 * t for t in d.merged_backward_s))
+            for d in base.devices
+        ),
+    )
+    stages = _pipeline(3, 1)
+    plain, cheap = (stage_costs(profile, stages, microbatch_size=1) for profile in (base, half))
+    assert plain.merged_backward_s == pytest.approx((2.0, 2.0, 2.0))
+    assert cheap.merged_backward_s == pytest.approx((1.0, 1.0, 1.0))
+    assert (plain.backward_input_s[0], plain.backward_weight_s[0]) == (0.0, 2.0)
+    assert (cheap.backward_input_s[0], cheap.backward_weight_s[0]) == (0.0, 1.0)
+    assert cheap.backward_input_s[1:] == plain.backward_input_s[1:] == (1.0, 1.0)
+    assert cheap.backward_weight_s[1:] == plain.backward_weight_s[1:] == (1.0, 1.0)
+    m = 4
+    for kind in ("1f1b", "gpipe"):
+        before, after = (predict(profile, stages, kind, m, m) for profile in (base, half))
+        assert before.step_time_s == pytest.approx((m + 2) * 3.0)
+        assert after.step_time_s == pytest.approx((m + 2) * 2.0)
+        assert after.compute_s == pytest.approx(m * 2.0)
+    zb = [predict(profile, stages, "zb-h1", m, m) for profile in (base, half)]
+    assert zb[1].step_time_s == zb[0].step_time_s  # the last stage sets the pace here
+    assert zb[1].compute_s == zb[0].compute_s == pytest.approx(m * 3.0)
 
 
 def test_microbatch_size_scales_compute_linearly() -> None:
@@ -174,7 +211,11 @@ def test_fixed_cost_is_paid_once_per_microbatch() -> None:
     doubled = stage_costs(profile, _pipeline(2, 1), microbatch_size=8)
     assert doubled.forward_s == pytest.approx((1.5 + 2 * 0.5, 1.5 + 2 * 0.5))
     one = stage_costs(profile, _pipeline(2, 1), microbatch_size=1)
-    assert one.backward_weight_s == pytest.approx((0.625 + 0.5, 0.625 + 0.5))
+    assert one.backward_weight_s[1] == pytest.approx(0.625 + 0.5)
+    # The first stage's whole backward is its W (B only dispatches): the same total.
+    assert one.backward_input_s[0] + one.backward_weight_s[0] == pytest.approx(
+        one.backward_input_s[1] + one.backward_weight_s[1]
+    )
     # The same 16 samples in 16 micro-batches pay the fixed part 16 times: with it, a single
     # micro-batch on one device beats the 2-stage pipeline; without it, the pipeline wins.
     single = [StagePlan(block_range=(0, 2), ranks=(0,), batch_shares=(1.0,))]

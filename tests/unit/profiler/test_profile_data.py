@@ -300,6 +300,8 @@ _MISSING = object()
         (("devices", 1, "cpu_share"), 0.0, "devices[1].cpu_share: expected a fraction of a core"),
         (("devices", 1, "cpu_share"), 1.5, "devices[1].cpu_share: expected a fraction of a core"),
         (("devices", 1, "cpu_period_s"), -0.1, "devices[1].cpu_period_s: expected a non-negative"),
+        (("devices", 0, "backward_s"), [0.01], "devices[0].backward_s: expected 3 entries"),
+        (("devices", 0, "backward_s"), [0.0, -0.01, 0.0], "devices[0].backward_s[1]: expected"),
     ],
 )
 def test_from_dict_errors_name_the_field(path: tuple[Any, ...], value: Any, message: str) -> None:
@@ -424,6 +426,12 @@ def test_device_from_dict_round_trip_and_derived_values() -> None:
     assert DeviceProfile.from_dict(data).fixed_s == (0.01, 0.0, 0.035)
     assert device.num_blocks == 3
     assert device.block_seconds == pytest.approx((0.035, 0.035, 0.035))
+    # backward_s (the whole backward in one call) is optional: B + W where not measured.
+    assert "backward_s" in data and device.backward_s == ()
+    assert device.merged_backward_s == pytest.approx((0.015, 0.015, 0.015))
+    merged = _device(1, backward_s=[0.012, 0.011, 0.013])
+    assert merged.merged_backward_s == (0.012, 0.011, 0.013)
+    assert DeviceProfile.from_dict(merged.to_dict()) == merged
 
 
 # ------------------------------------------------------------------------------------------

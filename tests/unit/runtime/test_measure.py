@@ -20,6 +20,7 @@ from lightning_deepcee.runtime.measure import (
 )
 from lightning_deepcee.runtime.measure.blocks import _median_timings, fit_passes
 from lightning_deepcee.runtime.measure.cluster import _device_profile
+from lightning_deepcee.runtime.measure.passes import block_inputs, time_pass
 
 
 def _mlp() -> list[nn.Module]:
@@ -62,6 +63,10 @@ def test_mlp_times_bytes_and_no_side_effects() -> None:
     assert all(0 < w < 1 for w in t.backward_weight_s)
     assert t.activation_bytes == (32 * 4, 64 * 4, 5 * 4)
     assert t.parameter_bytes == ((8 * 32 + 32) * 4, (32 * 64 + 64 + 2 * 64) * 4, (64 * 5 + 5) * 4)
+    # The whole backward in one call: positive, never more than B + W.
+    assert len(t.backward_s) == 3
+    for merged, b, w in zip(t.backward_s, t.backward_input_s, t.backward_weight_s, strict=True):
+        assert 0 < merged <= b + w
     _assert_untouched(blocks, before)
     assert torch.equal(torch.random.get_rng_state(), rng_before)
 
@@ -323,6 +328,26 @@ def test_blocks_are_timed_in_a_pipeline_stages_order() -> None:
     assert first_pass == ["F0", "F1", "F2", "B2", "B1", "W2", "W1", "W0"], log
 
 
+def test_a_merged_pass_runs_each_blocks_whole_backward_in_one_call() -> None:
+    blocks = _mlp()
+    inputs = block_inputs(blocks, torch.randn(6, 8))
+
+    def run(merged: bool) -> tuple[list[tuple[float, float, float]], list[torch.Tensor]]:
+        for block in blocks:
+            block.zero_grad(set_to_none=True)
+        torch.manual_seed(1)  # the same dropout masks and output gradients in both passes
+        times = time_pass(blocks, inputs, None, None, merged=merged)
+        return times, [p.grad.clone() for b in blocks for p in b.parameters() if p.grad is not None]
+
+    split_times, split_grads = run(False)
+    merged_times, merged_grads = run(True)
+    assert all(b > 0 for _, b, _ in split_times[1:])
+    assert all(b == 0 and w > 0 for _, b, w in merged_times)
+    assert len(merged_grads) == len(split_grads) == 8
+    for merged, split in zip(merged_grads, split_grads, strict=True):
+        torch.testing.assert_close(merged, split)
+
+
 # Blocks passing block values: hidden states with a bool mask and a float gate the next block uses.
 _T, _H = 6, 12
 
@@ -467,10 +492,10 @@ def test_a_block_value_that_is_not_tensors_names_the_block() -> None:
     ("budget_s", "pass_s", "expected"),
     [
         (100.0, 0.1, (3, 5, 2)),  # 1000 passes allowed: everything asked for
-        (30.0, 1.0, (2, 5, 2)),  # 30 passes: a round costs 12.5, two fit, three do not
-        (14.0, 1.0, (1, 5, 2)),
-        (10.0, 1.0, (1, 4, 0)),  # one round: (10 - 3) / 1.5 = 4 passes, all timed
-        (8.0, 1.0, (1, 3, 0)),
+        (30.0, 1.0, (2, 5, 2)),  # 30 passes: a round costs 14.3, two fit, three do not
+        (14.0, 1.0, (1, 5, 1)),
+        (10.0, 1.0, (1, 3, 0)),  # one round: 3 timed passes cost 1 + 4.5 + 2 + 1.8 = 9.3
+        (8.0, 1.0, (1, 2, 0)),
         (1.0, 1.0, (1, 2, 0)),  # never below one round of two repeats
     ],
 )
@@ -483,8 +508,8 @@ def test_fit_passes_cuts_rounds_then_repeats(
 def test_fit_passes_fits_the_budget_whenever_one_round_of_two_can() -> None:
     for budget_s, pass_s in itertools.product((1.0, 5.0, 12.0, 40.0, 200.0), (0.05, 0.5, 2.0)):
         rounds, repeats, warmup = fit_passes(budget_s, pass_s, 3, 5, 2)
-        passes = rounds * ((warmup + repeats) * 1.5 + 2) + 1
-        if budget_s / pass_s >= 3 * 1.5 + 3:
+        passes = rounds * ((warmup + repeats) * 1.5 + 2 + 0.9 * max(2, repeats // 2)) + 1
+        if budget_s / pass_s >= 2 * 1.5 + 2 + 0.9 * 2 + 1:
             assert passes * pass_s <= budget_s + 1e-9
         assert 1 <= rounds <= 3 and 2 <= repeats <= 5 and 0 <= warmup <= 2
 
@@ -496,9 +521,9 @@ def test_a_budget_cuts_the_passes_of_a_slow_device(monkeypatch: pytest.MonkeyPat
     calls = [0]
     real = passes_module.time_pass
 
-    def counted(*args: Any) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(blocks_module, "time_pass", counted)
     monkeypatch.setattr(passes_module, "time_pass", counted)
@@ -508,8 +533,8 @@ def test_a_budget_cuts_the_passes_of_a_slow_device(monkeypatch: pytest.MonkeyPat
     unbounded = calls[0]
     calls[0] = 0
     cut = measure_blocks(blocks, torch.randn(16, 8), rounds=3, sustain_s=0.0, budget_s=0.3)
-    # The probe, then one round of two repeats (no warmup) at two sizes.
-    assert calls[0] == 1 + 2 * 2 < unbounded
+    # The probe, then one round of two repeats (no warmup) at two sizes and two merged ones.
+    assert calls[0] == 1 + 2 * 2 + 2 < unbounded
     assert cut.num_blocks == full.num_blocks and len(cut.fixed_s) == 2
     for mine, reference in zip(cut.forward_s, full.forward_s, strict=True):
         assert 0.5 * reference < mine < 2 * reference

@@ -87,6 +87,26 @@ def test_1f1b_bubble_ratio(p: int, m: int) -> None:
     assert result.bubble_ratio == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1"])
+def test_a_bw_action_costs_its_own_backward_where_given(kind: str) -> None:
+    """BW (one backward pass) costs ``backward_s`` where given, B + W otherwise; B and W alone
+    keep their own costs, so ZB-H1 does not change."""
+    p, m = 3, 5
+    placement = {s: s for s in range(p)}
+    ranked = lower(generate(kind, p, m), placement)
+    plain = StageCosts.uniform(p)
+    merged = dataclasses.replace(plain, backward_s=(1.5,) * p)
+    assert plain.merged_backward_s == (2.0,) * p
+    for events in (True, False):
+        before = simulate(ranked, placement, plain, num_microbatches=m, events=events)
+        after = simulate(ranked, placement, merged, num_microbatches=m, events=events)
+        if kind == "zb-h1":
+            assert after.step_time_s == before.step_time_s
+        else:
+            assert before.step_time_s == (m + p - 1) * 3
+            assert after.step_time_s == (m + p - 1) * 2.5
+
+
 def test_exact_numbers_p4_m8() -> None:
     costs = StageCosts.uniform(4)
     assert _run("gpipe", 4, 8, costs).step_time_s == 33.0
@@ -307,6 +327,7 @@ def test_misplaced_action_is_rejected() -> None:
         ("send_backward_s", (float("nan"),), "finite"),
         ("static_memory_bytes", (1, 2, 3), "static_memory_bytes has 3 entries, expected 2"),
         ("microbatch_scale", (1.0, 0.0), r"microbatch_scale\[1\] = 0.0; .* > 0"),
+        ("backward_s", (1.0,), "backward_s has 1 entries, expected 2"),
     ],
 )
 def test_stage_costs_validation(field: str, value: tuple[float, ...], match: str) -> None:
