@@ -85,8 +85,9 @@ class BlockTimings:
     micro-batch is too small for a second size."""
     backward_s: tuple[float, ...] = ()
     """Seconds of each block's whole backward in one call (input and weight gradients in one
-    pass over its graph, as a ``BW`` action and a first stage run it), at most its ``B + W``:
-    one pass costs less than two. Empty when not measured."""
+    pass over its graph, as a ``BW`` action and a first stage run it): its ``B + W`` times the
+    device's ratio of one call to two (:func:`_merged_ratio`), at most 1. Empty when not
+    measured."""
     optimizer_s_per_byte: float = 0.0
     """Seconds per parameter byte of a reference optimizer step (``torch.optim.Adam``, the
     default ``foreach`` path) on this device, timed on clones of the largest block's parameters
@@ -94,8 +95,9 @@ class BlockTimings:
     stage's devices this rate times the stage's parameter bytes (Adam reads and writes about
     four tensors per parameter: a memory-bound step, linear in the bytes)."""
     sustained_factor: float = 1.0
-    """Sustained over burst: wall time of back-to-back passes over all blocks divided by the sum
-    of the per-block burst times (at least 1). Above 1 when the device cannot keep its burst
+    """Sustained over burst: the timed calls of back-to-back passes over all blocks (not the
+    pass's own bookkeeping, which a training step does not run) divided by the sum of the
+    per-block burst times (at least 1). Above 1 when the device cannot keep its burst
     speed, e.g. a CPU quota (cgroup ``cpu.max``) that throttles after a few milliseconds of work.
     Every ``*_s`` figure above is already multiplied by it."""
 
@@ -159,13 +161,15 @@ def measure_blocks(
       is at most ``size / small`` times its cost at ``small`` rows, so a call that a CPU quota
       stalled in every repeat is recognised and cut back.
     - **Merged backward.** Half as many passes again (two at least) run each block's backward in
-      one call (``backward_s``): what a ``BW`` action of 1F1B or GPipe, and a first stage's
-      backward, cost. One pass over a block's graph is cheaper than ``B`` then ``W``, which walk
-      it twice (about 15% on a CPU), and the planner would otherwise overcharge those schedules.
+      one call: what a ``BW`` action of 1F1B or GPipe, and a first stage's backward, cost. One
+      pass over a block's graph is cheaper than ``B`` then ``W``, which walk it twice (about 15%
+      on a CPU), and the planner would otherwise overcharge those schedules. ``backward_s`` is
+      each block's ``B + W`` times the median ratio over blocks (:func:`_merged_ratio`).
     - **Sustained speed.** The fastest calls miss throttling that only bites after a while (a
       cgroup CPU quota allows a burst, then stalls the process until the next period). Full
-      passes over all blocks run back to back for ``sustain_s`` seconds (two at least); if they
-      take longer than the burst times add up to, every figure is scaled up by that factor
+      passes over all blocks run back to back for ``sustain_s`` seconds (two at least); if their
+      timed calls take longer than the burst times add up to, every figure is scaled up by that
+      factor
       (``sustained_factor``): the fastest calls give each block's share, the sustained passes
       the device's speed. ``sustain_s=0`` skips this. (Charging only the sustained *work* and
       running each action at burst speed predicts steps far shorter than they run: a device
@@ -351,11 +355,12 @@ def _measure_round(
         factor = 1.0
         burst = sum(_totals(fastest))
         if sustain_s > 0 and burst > 0:
-            passes, start = 0, time.perf_counter()
+            passes, timed, start = 0, 0.0, time.perf_counter()
             while passes < 2 or time.perf_counter() - start < sustain_s:
-                time_pass(blocks, inputs, loss_fn, sample_batch)
+                timed += sum(_totals(time_pass(blocks, inputs, loss_fn, sample_batch)))
                 passes += 1
-            factor = max(1.0, (time.perf_counter() - start) / passes / burst)
+            factor = max(1.0, timed / passes / burst)
+        ratio = _merged_ratio(merged, fastest)
         activation = [math.ceil(value_bytes(output) / size) for output in inputs[1:]]
         saved, transient = memory or _memory(blocks, inputs, loss_fn, sample_batch, size)
         optimizer = _optimizer_s_per_byte(blocks, repeats, warmup)
@@ -369,9 +374,7 @@ def _measure_round(
         transient_bytes=transient,
         microbatch_size=size,
         fixed_s=tuple(value * factor for value in fixed),
-        backward_s=tuple(
-            min(bw, b + w) * factor for (_, _, bw), (_, b, w) in zip(merged, fastest, strict=True)
-        ),
+        backward_s=tuple((b + w) * ratio * factor for _, b, w in fastest),
         optimizer_s_per_byte=optimizer * factor,
         sustained_factor=factor,
     )
@@ -429,6 +432,18 @@ def _optimizer_s_per_byte(blocks: Sequence[nn.Module], repeats: int, warmup: int
         sync_device(clones[0].device)
         fastest = min(fastest, time.perf_counter() - start)
     return fastest / num_bytes
+
+
+def _merged_ratio(
+    merged: Sequence[tuple[float, float, float]], split: Sequence[tuple[float, float, float]]
+) -> float:
+    """One backward call over ``B`` then ``W``: the median over the blocks that have a ``B`` of
+    each block's ratio, at most 1 (1 when none has one). Fewer merged passes run than split
+    ones, so under a CPU quota more of their fastest readings are stalled; the median over
+    blocks passes those over."""
+    pairs = zip(merged, split, strict=True)
+    ratios = [min(1.0, bw / (b + w)) for (_, _, bw), (_, b, w) in pairs if b > 0]
+    return statistics.median(ratios) if ratios else 1.0
 
 
 def _clamp_stalls(

@@ -18,7 +18,7 @@ from lightning_deepcee.runtime.measure import (
     model_fingerprint,
     round_robin_rounds,
 )
-from lightning_deepcee.runtime.measure.blocks import _median_timings, fit_passes
+from lightning_deepcee.runtime.measure.blocks import _median_timings, _merged_ratio, fit_passes
 from lightning_deepcee.runtime.measure.cluster import _device_profile
 from lightning_deepcee.runtime.measure.passes import block_inputs, time_pass
 
@@ -346,6 +346,15 @@ def test_a_merged_pass_runs_each_blocks_whole_backward_in_one_call() -> None:
     assert len(merged_grads) == len(split_grads) == 8
     for merged, split in zip(merged_grads, split_grads, strict=True):
         torch.testing.assert_close(merged, split)
+
+
+def test_the_merged_ratio_is_the_median_over_blocks_with_an_input_gradient() -> None:
+    split = [(1.0, 0.0, 2.0), (1.0, 1.0, 1.0), (1.0, 1.0, 1.0), (1.0, 1.0, 1.0)]
+    # Block 0 has no B (its split is one call already); block 3's merged reading was stalled.
+    merged = [(1.0, 0.0, 2.0), (1.0, 0.0, 1.7), (1.0, 0.0, 1.6), (1.0, 0.0, 9.0)]
+    assert _merged_ratio(merged, split) == pytest.approx(0.85)
+    assert _merged_ratio(merged[:1], split[:1]) == 1.0
+    assert _merged_ratio([(1.0, 0.0, 3.0)] * 4, split) == 1.0  # never more than B + W
 
 
 # Blocks passing block values: hidden states with a bool mask and a float gate the next block uses.
