@@ -4,7 +4,8 @@ A transformer is a stack of identical layers; timed one by one on a throttled de
 them read several times slower than the rest (a quota stall that hit the call in every repeat),
 and the planner then avoids the stage that holds them. Blocks that run the same modules (types,
 settings) with the same parameters' shapes on the same shapes of input do the same work, so
-each of their F, B and W times is taken as the median over the class.
+each of their F, B and W times is taken as the median over the class. Only three of a class
+are timed (:func:`timed_blocks`): the others would cost measurement time and add nothing.
 
 Runtime layer: torch, never lightning.
 """
@@ -12,14 +13,14 @@ Runtime layer: torch, never lightning.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from typing import Any
 
 from torch import nn
 
 from lightning_deepcee.runtime.values import flatten_value
 
-__all__ = ["alike_classes", "pool_alike"]
+__all__ = ["alike_classes", "pool_alike", "timed_blocks"]
 
 _MIN_CLASS = 3
 """Blocks a class needs before its median replaces their own figures (two readings have no
@@ -87,18 +88,37 @@ def alike_classes(
     return classes
 
 
-def pool_alike(
-    times: Sequence[tuple[float, float, float]], classes: Sequence[int | None]
-) -> list[tuple[float, float, float]]:
-    """``times`` (F, B, W per block) with each class's blocks at the class's median, F, B and W
-    each on its own; blocks outside a class keep theirs."""
+def _members(classes: Sequence[int | None]) -> dict[int, list[int]]:
     members: dict[int, list[int]] = {}
     for index, number in enumerate(classes):
         if number is not None:
             members.setdefault(number, []).append(index)
+    return members
+
+
+def timed_blocks(classes: Sequence[int | None]) -> frozenset[int]:
+    """The blocks to time: every block outside a class, and :data:`_MIN_CLASS` of each class
+    (its first, last and evenly spaced ones between: the median of three outvotes one stalled
+    reading, and a class does the same work wherever it sits)."""
+    chosen = {index for index, number in enumerate(classes) if number is None}
+    for indices in _members(classes).values():
+        last = len(indices) - 1
+        k = _MIN_CLASS - 1
+        chosen.update(indices[round(i * last / k)] for i in range(_MIN_CLASS))
+    return frozenset(chosen)
+
+
+def pool_alike(
+    times: Sequence[tuple[float, float, float]],
+    classes: Sequence[int | None],
+    timed: Collection[int] | None = None,
+) -> list[tuple[float, float, float]]:
+    """``times`` (F, B, W per block) with each class's blocks at the median of its ``timed``
+    members (default all), F, B and W each on its own; blocks outside a class keep theirs."""
     pooled = list(times)
-    for indices in members.values():
-        median = tuple(statistics.median(times[i][k] for i in indices) for k in range(3))
+    for indices in _members(classes).values():
+        readings = [i for i in indices if timed is None or i in timed]
+        median = tuple(statistics.median(times[i][k] for i in readings) for k in range(3))
         for i in indices:
             pooled[i] = (median[0], median[1], median[2])
     return pooled

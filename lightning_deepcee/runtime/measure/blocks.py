@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lightning_deepcee.runtime.cpu_quota import read_cpu_quota
-from lightning_deepcee.runtime.measure.alike import alike_classes, pool_alike
+from lightning_deepcee.runtime.measure.alike import alike_classes, pool_alike, timed_blocks
 from lightning_deepcee.runtime.measure.passes import (
     LossFn,
     RestoredState,
@@ -55,11 +55,6 @@ shrink with the rows): what :func:`fit_passes` charges for the second size's pas
 _MERGED_PASS_SHARE = 0.9
 """A pass with each block's backward in one call (no separate ``B``) costs a little less than a
 split pass: what :func:`fit_passes` charges for each of them."""
-
-
-def _merged_repeats(repeats: int) -> int:
-    """Timed passes with merged backwards per round: half the split ones, two at least."""
-    return max(2, repeats // 2)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -146,7 +141,9 @@ def measure_blocks(
 
     Blocks that do the same work (:func:`~lightning_deepcee.runtime.measure.alike.alike_classes`:
     same modules, parameter shapes and value shapes; three at least, not block 0, not the last
-    block with the loss) get their class's median F, B and W (a transformer's layers).
+    block with the loss) get their class's median F, B and W (a transformer's layers); only
+    three of a class are timed (first, middle, last), so a deep stack costs about as much to
+    measure as a shallow one.
 
     Two more figures make the times predict a training step rather than a micro-benchmark:
 
@@ -160,11 +157,11 @@ def measure_blocks(
       two sizes also bound each other (:func:`_clamp_stalls`): an affine cost at ``size`` rows
       is at most ``size / small`` times its cost at ``small`` rows, so a call that a CPU quota
       stalled in every repeat is recognised and cut back.
-    - **Merged backward.** Half as many passes again (two at least) run each block's backward in
-      one call: what a ``BW`` action of 1F1B or GPipe, and a first stage's backward, cost. One
-      pass over a block's graph is cheaper than ``B`` then ``W``, which walk it twice (about 15%
-      on a CPU), and the planner would otherwise overcharge those schedules. ``backward_s`` is
-      each block's ``B + W`` times the median ratio over blocks (:func:`_merged_ratio`).
+    - **Merged backward.** As many passes again run each block's backward in one call: what a
+      ``BW`` action of 1F1B or GPipe, and a first stage's backward, cost. One pass over a block's
+      graph is cheaper than ``B`` then ``W``, which walk it twice (about 15% on a CPU), and the
+      planner would otherwise overcharge those schedules. ``backward_s`` is each block's
+      ``B + W`` times the median ratio over blocks (:func:`_merged_ratio`).
     - **Sustained speed.** The fastest calls miss throttling that only bites after a while (a
       cgroup CPU quota allows a burst, then stalls the process until the next period). Full
       passes over all blocks run back to back for ``sustain_s`` seconds (two at least); if their
@@ -225,16 +222,16 @@ def fit_passes(
     one pass over all blocks takes ``pass_s``; at most the given figures, at least one round of
     two timed repeats and no warmup (the probe pass warmed up).
 
-    A round costs ``(warmup + repeats) * 1.5 + 0.9 * max(2, repeats // 2) + 2`` passes (the
-    timed passes at both sizes, the merged-backward passes, two sustained passes) and the first
-    one a pass more (memory). Rounds go first: their median
+    A round costs ``(warmup + repeats) * 1.5 + 0.9 * repeats + 2`` passes (the timed passes at
+    both sizes, the merged-backward passes, two sustained passes) and the first one a pass more
+    (memory). Rounds go first: their median
     steadies the sustained speed, which matters less than each block's fastest time.
     """
     allowed = budget_s / max(pass_s, 1e-9)
 
     def cost(num_rounds: int, num_repeats: int, num_warmup: int) -> float:
         per_round = (num_warmup + num_repeats) * (1 + _SMALL_PASS_SHARE) + 2
-        per_round += _MERGED_PASS_SHARE * _merged_repeats(num_repeats)
+        per_round += _MERGED_PASS_SHARE * num_repeats
         return num_rounds * per_round + 1
 
     for num_rounds in range(rounds, 0, -1):
@@ -249,14 +246,15 @@ def fit_passes(
 def _probe_pass(
     blocks: list[nn.Module], sample_input: Any, loss_fn: LossFn | None, sample_batch: Any
 ) -> float:
-    """Wall seconds of one untimed pass over all blocks (and its inputs' forward), side-effect
-    free like the measurement itself."""
+    """Wall seconds of one untimed pass over the blocks that are timed (:func:`timed_blocks`),
+    side-effect free like the measurement itself."""
     device = tensor_leaves(sample_input)[0].device
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     with RestoredState(blocks), torch.random.fork_rng(devices=rng_devices):
         inputs = block_inputs(blocks, sample_input)
+        classes = alike_classes(blocks, inputs, last_has_loss=loss_fn is not None)
         start = time.perf_counter()
-        time_pass(blocks, inputs, loss_fn, sample_batch)
+        time_pass(blocks, inputs, loss_fn, sample_batch, only=timed_blocks(classes))
         return time.perf_counter() - start
 
 
@@ -314,8 +312,17 @@ def _measure_round(
         inputs = block_inputs(blocks, sample_input)
         jitter = _quota_period_s(device)
         classes = alike_classes(blocks, inputs, last_has_loss=loss_fn is not None)
-        fastest = block_fastest(blocks, inputs, loss_fn, sample_batch, repeats, warmup, jitter)
-        fastest = pool_alike(fastest, classes)
+        timed = timed_blocks(classes)
+
+        def pooled(
+            values: list[Any], batch: Any, count: int, warm: int, *, merged: bool = False
+        ) -> list[tuple[float, float, float]]:
+            found = block_fastest(
+                blocks, values, loss_fn, batch, count, warm, jitter, merged=merged, only=timed
+            )
+            return pool_alike(found, classes, timed)
+
+        fastest = pooled(inputs, sample_batch, repeats, warmup)
         small = max(2, size // 4)
         small_fastest = None
         if small < size:
@@ -323,43 +330,27 @@ def _measure_round(
             # The blocks' inputs only: the last output is not an input, and may hold a scalar.
             small_inputs = [slice_value(value, 0, small) for value in inputs[:-1]]
             try:
-                small_fastest = pool_alike(
-                    block_fastest(
-                        blocks, small_inputs, loss_fn, small_batch, repeats, warmup, jitter
-                    ),
-                    classes,
-                )
+                small_fastest = pooled(small_inputs, small_batch, repeats, warmup)
             except (RuntimeError, ValueError) as exc:  # a model that only takes its batch size
                 warnings.warn(
                     f"measure_blocks: the blocks failed on a {small}-sample slice of the "
                     f"micro-batch ({exc}); fixed per-call costs are not measured (taken as 0)",
                     stacklevel=2,
                 )
-        merged = pool_alike(
-            block_fastest(
-                blocks,
-                inputs,
-                loss_fn,
-                sample_batch,
-                _merged_repeats(repeats),
-                0,
-                jitter,
-                merged=True,
-            ),
-            classes,
-        )
+        merged = pooled(inputs, sample_batch, repeats, 0, merged=True)
         fixed = []
         if small_fastest is not None:
             fastest, small_fastest = _clamp_stalls(fastest, small_fastest, size / small)
             fixed = _fixed_costs(_totals(fastest), _totals(small_fastest), size, small)
         factor = 1.0
-        burst = sum(_totals(fastest))
+        burst = sum(total for i, total in enumerate(_totals(fastest)) if i in timed)
         if sustain_s > 0 and burst > 0:
-            passes, timed, start = 0, 0.0, time.perf_counter()
+            passes, sustained, start = 0, 0.0, time.perf_counter()
             while passes < 2 or time.perf_counter() - start < sustain_s:
-                timed += sum(_totals(time_pass(blocks, inputs, loss_fn, sample_batch)))
+                timings = time_pass(blocks, inputs, loss_fn, sample_batch, only=timed)
+                sustained += sum(_totals(timings))
                 passes += 1
-            factor = max(1.0, timed / passes / burst)
+            factor = max(1.0, sustained / passes / burst)
         ratio = _merged_ratio(merged, fastest)
         activation = [math.ceil(value_bytes(output) / size) for output in inputs[1:]]
         saved, transient = memory or _memory(blocks, inputs, loss_fn, sample_batch, size)
@@ -438,9 +429,8 @@ def _merged_ratio(
     merged: Sequence[tuple[float, float, float]], split: Sequence[tuple[float, float, float]]
 ) -> float:
     """One backward call over ``B`` then ``W``: the median over the blocks that have a ``B`` of
-    each block's ratio, at most 1 (1 when none has one). Fewer merged passes run than split
-    ones, so under a CPU quota more of their fastest readings are stalled; the median over
-    blocks passes those over."""
+    each block's ratio, at most 1 (1 when none has one). Under a CPU quota a block's fastest
+    reading may still be a stalled one; the median over blocks passes those over."""
     pairs = zip(merged, split, strict=True)
     ratios = [min(1.0, bw / (b + w)) for (_, _, bw), (_, b, w) in pairs if b > 0]
     return statistics.median(ratios) if ratios else 1.0

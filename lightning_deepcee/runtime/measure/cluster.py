@@ -307,6 +307,12 @@ def _device_profile(rank: int, host: str, record: dict[str, Any]) -> DeviceProfi
     )
 
 
+_TIMINGS_METHOD = 2
+"""Goes up whenever :func:`measure_blocks` changes what its figures mean, so that a device does
+not reuse timings kept from an older method (2: the merged backward, the sustained factor from
+the timed calls)."""
+
+
 def _cache_file(
     directory: str | os.PathLike[str] | None, model_fp: str, sample: Any, device: torch.device
 ) -> Path | None:
@@ -316,7 +322,7 @@ def _cache_file(
     shapes = [tuple(v.shape) for v in tree_flatten(sample)[0] if isinstance(v, torch.Tensor)]
     key = json.dumps(
         [device_identity(), model_fp, str(device), shapes, _cpu_quota(device),
-         torch.get_num_threads(), os.environ.get(DEVICE_KIND_ENV, "")]
+         torch.get_num_threads(), os.environ.get(DEVICE_KIND_ENV, ""), _TIMINGS_METHOD]
     )  # fmt: skip
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return Path(directory) / f"{device_identity()}-{digest}.json"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -39,9 +39,11 @@ def block_fastest(
     jitter_s: float = 0.0,
     *,
     merged: bool = False,
+    only: Collection[int] | None = None,
 ) -> list[tuple[float, float, float]]:
     """Fastest (F, B, W) seconds of each block on its input in ``inputs`` (over ``repeats``);
-    with ``merged``, (F, 0, whole backward) as :func:`time_pass` gives them.
+    with ``merged``, (F, 0, whole backward), and with ``only``, zeros for the blocks not in it,
+    as :func:`time_pass` gives them.
 
     The fastest call is the one that ran unthrottled: a CPU quota stalls whichever calls run
     after the period's budget is spent, and a median of a few consecutive calls lands on either.
@@ -61,7 +63,7 @@ def block_fastest(
     for repeat in range(warmup + repeats):
         if jitter_s > 0:
             time.sleep(phases.uniform(0.0, jitter_s))
-        timings = time_pass(blocks, inputs, loss_fn, sample_batch, merged=merged)
+        timings = time_pass(blocks, inputs, loss_fn, sample_batch, merged=merged, only=only)
         if repeat >= warmup:
             for index, timing in enumerate(timings):
                 times[index].append(timing)
@@ -163,6 +165,7 @@ def time_pass(
     sample_batch: Any,
     *,
     merged: bool = False,
+    only: Collection[int] | None = None,
 ) -> list[tuple[float, float, float]]:
     """F of every block, then B of every block (last first), then W: seconds of each.
 
@@ -176,12 +179,23 @@ def time_pass(
     A block whose input has none has ``B = 0``; its ``W`` is its whole backward, run in the W
     phase, as the executor runs a first stage. Backward starts from a random gradient for every
     output tensor that requires one (the last block's loss, when ``loss_fn`` is given, from 1).
+
+    ``merged``: no B phase; the W phase runs each block's whole backward in one call, as a
+    ``BW`` action (1F1B, GPipe) and a first stage run it (``B`` is then 0). One pass over the
+    graph costs less than B then W, which walk it twice.
+
+    ``only``: the indices of the blocks to run (default all); the others are not run and get
+    zeros (each block runs on its own input from ``inputs``, so any subset can be timed).
     """
     device = tensor_leaves(inputs[0])[0].device
     last = len(blocks) - 1
-    state = []
+    state: list[tuple[Any, ...]] = []
     forward = []
     for index, block in enumerate(blocks):
+        if only is not None and index not in only:
+            forward.append(0.0)
+            state.append(([], [], None, [], False))
+            continue
         leaves, structure = flatten_value(inputs[index], f"the input of blocks[{index}]")
         xs = [t.detach().requires_grad_(index > 0 and t.is_floating_point()) for t in leaves]
         x = structure.rebuild(xs)

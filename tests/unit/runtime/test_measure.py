@@ -501,10 +501,10 @@ def test_a_block_value_that_is_not_tensors_names_the_block() -> None:
     ("budget_s", "pass_s", "expected"),
     [
         (100.0, 0.1, (3, 5, 2)),  # 1000 passes allowed: everything asked for
-        (30.0, 1.0, (2, 5, 2)),  # 30 passes: a round costs 14.3, two fit, three do not
-        (14.0, 1.0, (1, 5, 1)),
-        (10.0, 1.0, (1, 3, 0)),  # one round: 3 timed passes cost 1 + 4.5 + 2 + 1.8 = 9.3
-        (8.0, 1.0, (1, 2, 0)),
+        (40.0, 1.0, (2, 5, 2)),  # 40 passes: a round costs 17, two fit, three do not
+        (30.0, 1.0, (1, 5, 2)),
+        (14.0, 1.0, (1, 4, 0)),  # one round: 4 timed passes cost 1 + 6 + 2 + 3.6 = 12.6
+        (10.0, 1.0, (1, 2, 1)),  # two timed passes and one warm-up: 9.3
         (1.0, 1.0, (1, 2, 0)),  # never below one round of two repeats
     ],
 )
@@ -517,7 +517,7 @@ def test_fit_passes_cuts_rounds_then_repeats(
 def test_fit_passes_fits_the_budget_whenever_one_round_of_two_can() -> None:
     for budget_s, pass_s in itertools.product((1.0, 5.0, 12.0, 40.0, 200.0), (0.05, 0.5, 2.0)):
         rounds, repeats, warmup = fit_passes(budget_s, pass_s, 3, 5, 2)
-        passes = rounds * ((warmup + repeats) * 1.5 + 2 + 0.9 * max(2, repeats // 2)) + 1
+        passes = rounds * ((warmup + repeats) * 1.5 + 2 + 0.9 * repeats) + 1
         if budget_s / pass_s >= 2 * 1.5 + 2 + 0.9 * 2 + 1:
             assert passes * pass_s <= budget_s + 1e-9
         assert 1 <= rounds <= 3 and 2 <= repeats <= 5 and 0 <= warmup <= 2

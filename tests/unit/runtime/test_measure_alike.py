@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_deepcee.runtime.measure import measure_blocks
-from lightning_deepcee.runtime.measure.alike import alike_classes, pool_alike
+from lightning_deepcee.runtime.measure.alike import alike_classes, pool_alike, timed_blocks
 from lightning_deepcee.runtime.measure.passes import block_inputs
 
 
@@ -54,7 +54,7 @@ def test_pool_takes_each_figure_at_its_class_median() -> None:
 
 def test_a_stalled_layer_reads_like_its_class_in_measure_blocks() -> None:
     blocks = _stack(4)
-    stalled = blocks[2]
+    stalled = blocks[1]  # the class's first block: always timed
     assert isinstance(stalled, _Layer)
     # One layer stalls in every repeat, as a throttled call can: its class's median holds.
     original = stalled.forward
@@ -67,3 +67,22 @@ def test_a_stalled_layer_reads_like_its_class_in_measure_blocks() -> None:
     t = measure_blocks(blocks, torch.randn(16, 8), repeats=3, warmup=1, sustain_s=0.0)
     layer_forward = t.forward_s[1:5]
     assert max(layer_forward) == min(layer_forward) < 0.01
+
+
+def test_three_of_a_class_are_timed_and_give_the_figures_of_all() -> None:
+    assert timed_blocks([None, 0, 0, 0, 0, 0, 0, None]) == {0, 1, 3, 6, 7}
+    assert timed_blocks([None, 0, 1, 0, 1, 0, 1]) == {0, 1, 2, 3, 4, 5, 6}
+    assert timed_blocks([None, 0, 0, 0, None, None]) == {0, 1, 2, 3, 4, 5}
+    times = [(1.0, 0.0, 1.0), (2.0, 3.0, 4.0), (0.0, 0.0, 0.0), (2.2, 3.1, 40.0), (20.0, 2.9, 4.2)]
+    pooled = pool_alike(times, [None, 0, 0, 0, 0], timed={0, 1, 3, 4})
+    assert pooled[1:] == [(2.2, 3.0, 4.2)] * 4  # the untimed block's zeros are not read
+
+    calls = [0] * 8
+    blocks = _stack(6)
+    for index, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda *_, i=index: calls.__setitem__(i, calls[i] + 1))
+    t = measure_blocks(blocks, torch.randn(16, 8), repeats=3, warmup=1, sustain_s=0.0)
+    # Layers 1-6 form a class: 1, 3 and 6 run in every pass; 2, 4 and 5 only make the next
+    # block's input and measure their memory.
+    assert calls[2] == calls[4] == calls[5] < 5 < calls[1] == calls[3] == calls[6] == calls[0]
+    assert len(set(t.forward_s[1:7])) == 1 and len(set(t.backward_s[1:7])) == 1
