@@ -314,15 +314,15 @@ def _measure_round(
         classes = alike_classes(blocks, inputs, last_has_loss=loss_fn is not None)
         timed = timed_blocks(classes)
 
-        def pooled(
+        def timed_fastest(
             values: list[Any], batch: Any, count: int, warm: int, *, merged: bool = False
         ) -> list[tuple[float, float, float]]:
-            found = block_fastest(
+            return block_fastest(
                 blocks, values, loss_fn, batch, count, warm, jitter, merged=merged, only=timed
             )
-            return pool_alike(found, classes, timed)
 
-        fastest = pooled(inputs, sample_batch, repeats, warmup)
+        split = timed_fastest(inputs, sample_batch, repeats, warmup)
+        fastest = pool_alike(split, classes, timed)
         small = max(2, size // 4)
         small_fastest = None
         if small < size:
@@ -330,14 +330,18 @@ def _measure_round(
             # The blocks' inputs only: the last output is not an input, and may hold a scalar.
             small_inputs = [slice_value(value, 0, small) for value in inputs[:-1]]
             try:
-                small_fastest = pooled(small_inputs, small_batch, repeats, warmup)
+                small_fastest = pool_alike(
+                    timed_fastest(small_inputs, small_batch, repeats, warmup), classes, timed
+                )
             except (RuntimeError, ValueError) as exc:  # a model that only takes its batch size
                 warnings.warn(
                     f"measure_blocks: the blocks failed on a {small}-sample slice of the "
                     f"micro-batch ({exc}); fixed per-call costs are not measured (taken as 0)",
                     stacklevel=2,
                 )
-        merged = pooled(inputs, sample_batch, repeats, 0, merged=True)
+        # Each timed block's own reading (not its class's median): more readings to take the
+        # median of; untimed blocks have no B and are passed over.
+        ratio = _merged_ratio(timed_fastest(inputs, sample_batch, repeats, 0, merged=True), split)
         fixed = []
         if small_fastest is not None:
             fastest, small_fastest = _clamp_stalls(fastest, small_fastest, size / small)
@@ -351,7 +355,6 @@ def _measure_round(
                 sustained += sum(_totals(timings))
                 passes += 1
             factor = max(1.0, sustained / passes / burst)
-        ratio = _merged_ratio(merged, fastest)
         activation = [math.ceil(value_bytes(output) / size) for output in inputs[1:]]
         saved, transient = memory or _memory(blocks, inputs, loss_fn, sample_batch, size)
         optimizer = _optimizer_s_per_byte(blocks, repeats, warmup)
