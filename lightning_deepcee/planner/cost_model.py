@@ -34,7 +34,9 @@ evaluator instead. The model, stated once:
   overhead.
 - **One backward pass.** A BW action (1F1B, GPipe) runs a micro-batch's backward in one call,
   which costs less than B then W (two walks over the graph): it is charged the blocks'
-  ``backward_s`` (measured by the profiler; ``B + W`` where not measured) and one action. The
+  ``backward_s`` (measured by the profiler; ``B + W`` where not measured) and one action. What
+  it saves is a cost per call, the same at every micro-batch size: its slope is B + W's, its
+  fixed part theirs less the saving. The
   first stage runs its backward whole in every schedule (nothing upstream needs its input
   gradient): its B only dispatches, its W is that one pass.
 - **Activation transfers.** Between consecutive stages a micro-batch's boundary activation

@@ -58,8 +58,19 @@ class ProfileArrays:
         self.forward, self.forward_fixed = split("forward_s")
         self.backward_input, self.backward_input_fixed = split("backward_input_s")
         self.backward_weight, self.backward_weight_fixed = split("backward_weight_s")
-        self.backward, self.backward_fixed = split("merged_backward_s")
-        """The whole backward in one call (a BW action, a first stage): slope and fixed part."""
+        # The whole backward in one call (a BW action, a first stage) saves what B then W spend
+        # twice per call (the graph walked twice, two dispatches): a fixed cost. Its slope is
+        # B + W's; its fixed part is theirs less the saving (all of it at the measured size).
+        split_s = np.array([d.backward_input_s for d in devices], dtype=np.float64) + np.array(
+            [d.backward_weight_s for d in devices], dtype=np.float64
+        )
+        merged_s = np.array([d.merged_backward_s for d in devices], dtype=np.float64)
+        split_fixed = split_s * fixed_share
+        merged_fixed = np.clip(split_fixed - (split_s - merged_s), 0.0, None)
+        self.backward: Array = prefix((merged_s - merged_fixed) / ref[:, None])
+        """Per-sample prefix sums of the whole backward in one call (B + W's slope)."""
+        self.backward_fixed: Array = prefix(merged_fixed)
+        """Prefix sums of its fixed part per call."""
         num_calls = 3 * max(fixed.shape[1], 1)
         self.action_overhead: Array = fixed.sum(axis=1) / num_calls
         """Seconds each executor action costs a device beyond its compute: its mean per-call

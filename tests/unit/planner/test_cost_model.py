@@ -192,6 +192,26 @@ def test_one_backward_pass_is_charged_where_the_executor_runs_one() -> None:
     assert zb[1].compute_s == zb[0].compute_s == pytest.approx(m * 3.0)
 
 
+def test_one_backward_pass_saves_a_fixed_cost_per_call() -> None:
+    """What one pass saves over B then W is a per-call cost (the graph walked once, one
+    dispatch): the same at every micro-batch size, taken from the fixed part."""
+    base = make_profile(
+        speeds=[1.0, 1.0], num_blocks=2, reference_microbatch_size=4, fixed_fraction=0.5
+    )
+    merged = dataclasses.replace(
+        base,
+        devices=tuple(
+            dataclasses.replace(d, backward_s=tuple(t - 0.4 for t in d.merged_backward_s))
+            for d in base.devices
+        ),
+    )
+    overhead = 0.5  # the mean per-call fixed cost: one action fewer than B then W
+    for b in (1.0, 2.0, 4.0, 8.0):
+        costs = stage_costs(merged, _pipeline(2, 1), microbatch_size=b)
+        split = costs.backward_input_s[1] + costs.backward_weight_s[1]
+        assert costs.merged_backward_s[1] == pytest.approx(split - 0.4 - overhead)
+
+
 def test_microbatch_size_scales_compute_linearly() -> None:
     profile = make_profile(speeds=[1.0, 1.0], num_blocks=2, reference_microbatch_size=4)
     costs = stage_costs(profile, _pipeline(2, 1), microbatch_size=8)
