@@ -14,6 +14,10 @@ initial weights), on the same data, with the same *global* batch per optimizer s
   ``deepcee`` system is the adapter-off arm).
 - ``deepcee-zip``: ``DeepCEEStrategy(compression="auto")``: the planner may compress each
   pipeline hop where the link makes it pay (``deepcee`` is the compression-off arm).
+- ``deepcee-kept``: ``DeepCEEStrategy(device_cache=DIR)``, one DIR for the system's runs of an
+  invocation (emptied before its first run): the first run measures, searches and times its
+  rivals; the later ones keep the block timings, the link figures (after a probe of each pair)
+  and the plan (set-up on figures kept from an earlier run).
 - ``deepcee-manual``: ``DeepCEEStrategy(schedule="1f1b", num_microbatches=M)``, one stage per
   device, parameter-balanced partition (planner ablation).
 - ``deepcee-dp``: ``DeepCEEStrategy(num_stages=1, num_microbatches=1, profile=True)``: data
@@ -47,6 +51,7 @@ import gc
 import itertools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import time
@@ -65,6 +70,7 @@ LIGHTNING_SYSTEMS = (
     "deepcee-dp",
     "deepcee-dp-flat",
     "deepcee-zip",
+    "deepcee-kept",
     "ddp",
 )
 PIPE_SYSTEMS = ("pipe-gpipe", "pipe-1f1b", "pipe-zb")
@@ -146,7 +152,7 @@ def _lightning_worker(args: argparse.Namespace) -> None:
             raise SystemExit(f"global batch {g} is not divisible by {world} devices")
         strategy: Any = DDPStrategy(process_group_backend="gloo")
         per_loader = g // world
-    elif args.system in ("deepcee", "deepcee-adapter", "deepcee-zip"):
+    elif args.system in ("deepcee", "deepcee-adapter", "deepcee-zip", "deepcee-kept"):
         # Automatic profile + plan (or --plan: a saved plan, no profiling or search). Only the
         # profiling time budget is raised (default 60 s).
         strategy = DeepCEEStrategy(
@@ -154,6 +160,7 @@ def _lightning_worker(args: argparse.Namespace) -> None:
             profile_budget_s=args.profile_budget_s,
             receive_ahead=args.receive_ahead == "on",
             compression="auto" if args.system == "deepcee-zip" else "off",
+            device_cache=args.device_cache or "auto",
         )
         per_loader = g  # one pipeline replica: every rank reads the whole global batch
     elif args.system in ("deepcee-dp", "deepcee-dp-flat"):
@@ -383,6 +390,7 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--max-chars", type=int, default=400_000)
     p.add_argument("--profile-budget-s", type=float, default=300.0)
     p.add_argument("--plan", default=None)
+    p.add_argument("--device-cache", default=None)
     p.add_argument("--receive-ahead", default="on", choices=["on", "off"])
     p.add_argument("--all-timelines", action="store_true")
     args = p.parse_args(argv)
@@ -530,6 +538,9 @@ def run_one(args: argparse.Namespace, system: str, run: int, out: Path) -> dict[
         topology_file = out / "topology.yaml"
         topology_file.write_text(yaml.safe_dump(topo.to_dict(), sort_keys=False))
     batch = system_batch(system, len(topo.devices), args.global_batch)
+    kept = out.parent / "device-cache"  # the system's runs share it
+    if base == "deepcee-kept" and run == 0:
+        shutil.rmtree(kept, ignore_errors=True)
     worker = worker_job(
         __file__,
         "--system", base,
@@ -543,6 +554,7 @@ def run_one(args: argparse.Namespace, system: str, run: int, out: Path) -> dict[
         "--profile-budget-s", str(args.profile_budget_s),
         "--receive-ahead", args.receive_ahead,
         *(["--plan", str(Path(args.plan).resolve())] if args.plan else []),
+        *(["--device-cache", str(kept.resolve())] if base == "deepcee-kept" else []),
         *(["--all-timelines"] if args.all_timelines else []),
     )  # fmt: skip
     cmd = lab_command(topology_file, out, args.run_timeout_s, worker, master_port=args.master_port)

@@ -70,7 +70,7 @@ from lightning_deepcee.strategy.reporting import (
     summarise_whole_model,
     warn_at_setup,
 )
-from lightning_deepcee.strategy.setup_plan import initial_plan, save_setup_record
+from lightning_deepcee.strategy.setup_plan import initial_plan, keep_plan, save_setup_record
 from lightning_deepcee.strategy.setup_profile import ProfileSettings, profile_at_setup
 from lightning_deepcee.strategy.stage_part import PipelineStagePart
 from lightning_deepcee.strategy.step_log import StepLog
@@ -118,9 +118,9 @@ class DeepCEEStrategy(DDPStrategy):
             its median (one reading under a CPU quota is noisy); 1 measures once.
         profile_block_budget_s: about how long each device may spend timing its blocks (a slow
             one takes fewer rounds, at least one of two); ``None``: ``profile_rounds`` rounds.
-        device_cache: a directory where each device keeps its block timings, reused while the
-            model, micro-batch and CPU quota are unchanged; ``"auto"``: one per torchrun elastic
-            job (a restart measures only new devices), none otherwise; ``None``: never reuse.
+        device_cache: where each device keeps its block timings (same model, micro-batch, quota)
+            and rank 0 the link figures (reused while a probe of each pair agrees) and the plan
+            set-up chose on that profile; ``"auto"``: one per torchrun elastic job; ``None``: no.
         timeout_s: seconds a collective or transfer may block: a dead device or link stops
             every rank within about this long (plus 3 s of heartbeats) with a
             ``DeviceLostError`` (lost rank, stage, host) or a ``RankFailedError`` (the failed
@@ -139,13 +139,11 @@ class DeepCEEStrategy(DDPStrategy):
         device_gain: the automatic plan uses more devices than another only when predicted at
             least this fraction faster (``plan_search``); 0 takes the fastest prediction.
         plan_trial: the automatic plan and up to ``plan_trial - 1`` rivals predicted within 10%
-            of it (the search's runners-up, near layouts: the cost model cannot rank them) each
-            run a few steps at setup on the first batch, without optimizer steps, and the clock
-            picks what trains (``plan_trial.py``); 1 trains the searched plan untimed.
-        compression: what the automatic plan may do to the float32 tensors that cross a
-            pipeline hop in training: ``"off"`` (exact), ``"auto"`` (the planner picks per hop
-            ``bf16`` or ``tah8`` where the link makes it pay), or a list of method names, e.g.
-            ``["tah8", "tah4"]`` (docs/compression.md).
+            of it each run a few steps at setup on the first batch, without optimizer steps, and
+            the clock picks what trains (``plan_trial.py``); 1 trains the searched plan untimed.
+        compression: what the automatic plan may do to the float32 tensors crossing a pipeline
+            hop in training: ``"off"`` (exact), ``"auto"`` (``bf16`` or ``tah8`` per hop where
+            the link makes it pay) or method names, e.g. ``["tah8"]`` (docs/compression.md).
     """
 
     strategy_name = "deepcee"
@@ -374,14 +372,16 @@ class DeepCEEStrategy(DDPStrategy):
                 device_gain=self.device_gain,
                 compression=self.compression,
                 running=None if fitting else self.plan,
+                device_cache=self.profile_settings.device_cache,
             )
             if choice.alternatives is not None:
                 self.plan_alternatives = choice.alternatives
         with timer("build"):
             build_layout(self, choice.plan, trainer)
-        if fitting and self.plan_arg == "auto" and self.plan_trial > 1:
+        if fitting and self.plan_arg == "auto" and self.plan_trial > 1 and not choice.kept:
             with timer("trial"):
                 trial_plans(self, trainer, self.plan_trial)
+        keep_plan(choice, self.plan, self.is_global_zero)
         self._pending_grads = None
         if fitting:
             timer.report(trainer)

@@ -3,16 +3,25 @@
 A function of explicit inputs that returns the plan (and, for a searched plan, the search's
 other best plans, which the plan trial times): a saved plan checked against the model and the
 cluster, the search's plan on the profile, or the manual layout's arguments as a plan.
+
+With a device cache (``DeepCEEStrategy(device_cache=...)``), rank 0 keeps the plan that set-up
+trained (after the trial), keyed by the whole profile and the search's settings: a later set-up
+on the same profile (block timings and link figures kept, the probes agreeing) takes it without
+a search or a trial, and says so.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_deepcee.planner import CostModelConfig, Plan
@@ -22,8 +31,13 @@ from lightning_deepcee.profiler import ClusterProfile
 from lightning_deepcee.runtime.manual_layout import ManualLayout, manual_plan
 from lightning_deepcee.runtime.measure import model_fingerprint
 from lightning_deepcee.runtime.spread_search import spread_plan_search
+from lightning_deepcee.strategy.setup_profile import device_cache_dir
 
-__all__ = ["PlanChoice", "initial_plan", "save_setup_record"]
+__all__ = ["PlanChoice", "initial_plan", "keep_plan", "save_setup_record"]
+
+KEPT_PLAN_FORMAT = 1
+"""Goes up when what decides a plan changes beyond the profile and the settings in the key (the
+search, the cost model), so that a kept plan from before is searched again."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +49,11 @@ class PlanChoice:
     """Rank 0's other best plans when the plan was searched (the plan trial times them)."""
     device_sets: dict[tuple[int, ...], DeviceSetScore] = field(default_factory=dict)
     """Rank 0's scored device sets when the plan was searched (why these devices)."""
+    kept: bool = False
+    """Whether the plan was kept from an earlier set-up on the same profile (no search, no
+    trial)."""
+    kept_file: Path | None = None
+    """Where rank 0 keeps the plan that trains, for the next set-up on this profile."""
 
 
 def initial_plan(
@@ -48,13 +67,16 @@ def initial_plan(
     device_gain: float,
     compression: tuple[str, ...] = (),
     running: Plan | None = None,
+    device_cache: str | None = None,
 ) -> PlanChoice:
     """The layout set-up builds and, when it was searched (``plan_arg == "auto"``), rank 0's
     alternatives and scored device sets. ``plan_arg``: ``None`` for the manual
     layout, ``"auto"`` to search on ``cluster_profile`` (all ranks: the search is spread over
     them), else a saved plan's path. Prints the plan unless it is the manual layout's.
     ``running``: the layout that trained, which validate/test after fit keep (re-planned or
-    not); ``None`` while fitting. ``compression``: the methods the search may choose per hop."""
+    not); ``None`` while fitting. ``compression``: the methods the search may choose per hop.
+    ``device_cache``: the strategy's setting; a plan kept there for this profile and these
+    settings is taken as it is (rank 0 reads it, every rank gets it)."""
     if running is not None:
         return PlanChoice(running)
     fingerprint = model_fingerprint(list(blocks))
@@ -73,6 +95,7 @@ def initial_plan(
         return PlanChoice(plan)
     alternatives: list[Plan] | None = None
     device_sets: dict[tuple[int, ...], DeviceSetScore] = {}
+    kept_file: Path | None = None
     if plan_arg != "auto":
         plan = Plan.from_json(str(plan_arg))
         plan.check_matches(len(blocks), world_size, fingerprint, cluster)
@@ -82,6 +105,15 @@ def initial_plan(
                 "DeepCEEStrategy plans automatically while fitting; for validate/test "
                 "pass plan='plan.json' or a manual layout."
             )
+        settings = [len(blocks), global_batch_size, device_gain, list(compression)]
+        kept_file = _kept_file(device_cache_dir(device_cache), cluster_profile, settings)
+        kept = _load_kept(kept_file)
+        if kept is not None and _fits(kept[0], cluster_profile):
+            rank_zero_info(
+                f"DeepCEE: plan kept from an earlier set-up on this profile ({kept[1]:.0f} s "
+                "old): no search, no trial\n" + kept[0].format_table()
+            )
+            return PlanChoice(kept[0], kept=True, kept_file=kept_file)
         alternatives = []  # rank 0's, for the plan trial
         plan = spread_plan_search(
             cluster_profile,
@@ -95,7 +127,63 @@ def initial_plan(
     rank_zero_info("DeepCEE plan:\n" + plan.format_table())
     if device_sets and cluster_profile is not None:
         rank_zero_info(format_device_sets(cluster_profile, device_sets, plan))
-    return PlanChoice(plan, alternatives, device_sets)
+    return PlanChoice(plan, alternatives, device_sets, kept_file=kept_file)
+
+
+def keep_plan(choice: PlanChoice, plan: Plan | None, writer: bool) -> None:
+    """On rank 0 (``writer``), keep ``plan`` (the one that trains, after the trial) where
+    ``choice`` says, for the next set-up on the same profile; nothing for a kept plan."""
+    if not writer or choice.kept or choice.kept_file is None or plan is None:
+        return
+    try:
+        choice.kept_file.parent.mkdir(parents=True, exist_ok=True)
+        temporary = choice.kept_file.with_name(f".{choice.kept_file.name}.tmp")
+        temporary.write_text(json.dumps(plan.to_dict()))
+        temporary.replace(choice.kept_file)
+    except OSError:
+        pass  # a plan that cannot be kept only costs the next set-up a search
+
+
+def _kept_file(
+    directory: str | None, profile: ClusterProfile, settings: list[object]
+) -> Path | None:
+    """Where rank 0 keeps the plan for ``profile`` and the search's settings: all of the
+    profile but the devices' free memory, which moves from one start to the next (a kept plan
+    must still fit it, :func:`_fits`)."""
+    if directory is None:
+        return None
+    data = profile.to_dict()
+    for device in data["devices"]:
+        device.pop("memory_bytes")
+    key = json.dumps([data, settings, KEPT_PLAN_FORMAT], sort_keys=True)
+    return Path(directory) / f"plan-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _fits(plan: Plan, profile: ClusterProfile) -> bool:
+    """Whether ``plan``'s predicted peak memory fits every device's free memory now."""
+    free = {device.rank: device.memory_bytes for device in profile.devices}
+    return all(peak <= free[rank] for rank, peak in plan.predicted_peak_memory_bytes.items())
+
+
+def _load_kept(path: Path | None) -> tuple[Plan, float] | None:
+    """The kept plan and its age in seconds (rank 0 reads, every rank gets it), or None."""
+    if path is None:  # the same on every rank: the same setting
+        return None
+    found: list[tuple[str, float] | None] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            found[0] = (path.read_text(), time.time() - path.stat().st_mtime)
+        except OSError:
+            found[0] = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(found, src=0)
+    if found[0] is None:
+        return None
+    text, age = found[0]
+    try:
+        return Plan.from_dict(json.loads(text)), age
+    except (ValueError, KeyError, TypeError):
+        return None  # unreadable or from another version: search again
 
 
 def save_setup_record(

@@ -4,6 +4,7 @@ N-1 (even) or N (odd) rounds, YAML round trip, cache reuse, and a budget that fa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -59,6 +60,31 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     second = profile_or_load(cache, blocks, x, **options)
     result["cache_reused"] = second == first and cache.exists()
 
+    # Kept link figures: only the probes run, and the figures come back while they agree.
+    base = measure_network(large_bytes=2**20, repeats=1)
+    same = measure_network(large_bytes=2**20, repeats=1, kept=base, kept_tolerance=1e9)
+    faster = dataclasses.replace(
+        base,
+        probe_bandwidth_bytes_per_s=tuple(
+            tuple(v * 1e3 for v in row) for row in base.probe_bandwidth_bytes_per_s
+        ),
+    )
+    again = measure_network(large_bytes=2**20, repeats=1, kept=faster)
+    result["links_kept"] = [
+        same.kept,
+        same.latency_s == base.latency_s
+        and same.bandwidth_bytes_per_s == base.bandwidth_bytes_per_s,
+        same.num_rounds < base.num_rounds,
+        again.kept,
+        again.num_rounds > same.num_rounds,  # measured after its probes
+    ]
+    lines: list[str] = []
+    kept_dir = Path(out) / "devices"
+    profile_cluster(blocks, x, device_cache=kept_dir, progress=lines.append, **options)  # type: ignore[arg-type]
+    profile_cluster(blocks, x, device_cache=kept_dir, progress=lines.append, **options)  # type: ignore[arg-type]
+    result["kept_lines"] = [line for line in lines if "kept" in line or "again" in line]
+    result["links_files"] = len(list(kept_dir.glob("links-*.json")))
+
     try:
         measure_network(budget_s=1e-6, large_bytes=4096)
         result["timeout"] = None
@@ -104,6 +130,13 @@ def test_measure_network_and_profile_cluster(
     assert [d.rank for d in profiles[0].devices] == list(range(world))
     assert profiles[0].devices[0].activation_bytes == (64, 64, 12)
     assert all(r["roundtrip"] and r["cache_reused"] for r in results)
+    assert all(r["links_kept"] == [True, True, True, False, True] for r in results)
+    # The second profile with a device cache keeps every device's block timings and offers
+    # rank 0's link figures (kept or measured again, as the probes on two busy cores decide).
+    lines = results[0]["kept_lines"]
+    assert len(lines) == 2 and "block timings kept" in lines[0], lines
+    assert "links kept" in lines[1] or "links measured again" in lines[1], lines
+    assert results[0]["links_files"] == 1 and all(not r["kept_lines"] for r in results[1:])
 
     for rank, r in enumerate(results):
         message = r["timeout"]

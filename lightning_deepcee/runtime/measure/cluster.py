@@ -36,7 +36,12 @@ from lightning_deepcee.runtime.cpu_quota import read_cpu_quota
 from lightning_deepcee.runtime.liveness import DeviceLostError, default_store, wait_for_ranks
 from lightning_deepcee.runtime.measure.blocks import BlockTimings, measure_blocks
 from lightning_deepcee.runtime.measure.memory import available_memory_bytes
-from lightning_deepcee.runtime.measure.network import ProfilingTimeoutError, measure_network
+from lightning_deepcee.runtime.measure.network import (
+    KEPT_TOLERANCE,
+    NetworkMeasurement,
+    ProfilingTimeoutError,
+    measure_network,
+)
 from lightning_deepcee.runtime.measure.passes import LossFn
 from lightning_deepcee.runtime.transport import wire_device
 
@@ -143,7 +148,9 @@ def profile_cluster(
     ``$DEEPCEE_DEVICE_KIND`` (default: the torch device type). With ``device_cache`` (a
     directory on each device), a device reuses its own block timings from an earlier profile of
     the same model, micro-batch and CPU quota (an elastic restart measures only the devices that
-    are new); the links are measured every time. ``block_budget_s`` bounds each device's block
+    are new), and rank 0 keeps the link figures of the same device set: the next profile only
+    probes each pair and reuses them while every probe agrees (:func:`measure_network`'s
+    ``kept``). ``block_budget_s`` bounds each device's block
     timings (:func:`measure_blocks`' ``budget_s``: a slow device takes fewer rounds and repeats).
     ``parts``, when given, receives the wall seconds of the slowest device's block timings
     (``"blocks"``) and of the network measurement (``"network"``), the same on every rank.
@@ -169,7 +176,7 @@ def profile_cluster(
             rounds=rounds,
             budget_s=block_budget_s,
         )
-        _store_timings(cached, timings)
+        _write_kept(cached, dataclasses.asdict(timings))
     blocks_s = time.perf_counter() - began
     world, rank_zero = dist.get_world_size(group), dist.get_rank(group) == 0
     counted = itertools.count(1)
@@ -183,7 +190,9 @@ def profile_cluster(
             )
 
     _wait_for_slowest_rank(group, "blocks", arrived if rank_zero and progress else None)
+    links_file = _links_file(device_cache, hosts, network_repeats) if rank_zero else None
     local = {
+        "kept_links": _load_links(links_file),
         "kind": os.environ.get(DEVICE_KIND_ENV, "").strip() or device.type,
         "memory_bytes": available_memory_bytes(device),
         "timings": timings,
@@ -198,7 +207,9 @@ def profile_cluster(
         if kept:
             progress(kept)
         progress(f"DeepCEE: measuring the links of {world} devices (at most {budget_s:g} s)")
+    kept_links: tuple[NetworkMeasurement, float] | None = gathered[0]["kept_links"]
     network = measure_network(
+        kept=kept_links[0] if kept_links is not None else None,
         group=group,
         small_bytes=small_bytes,
         large_bytes=large_bytes,
@@ -208,6 +219,10 @@ def profile_cluster(
         device=wire_device(device, group),
         hosts=hosts,
     )
+    if rank_zero and kept_links is not None and progress is not None:
+        progress(_kept_links_line(network.kept, kept_links[1], network.elapsed_s))
+    if not network.kept:
+        _write_kept(links_file, dataclasses.asdict(network))
     devices = [_device_profile(rank, hosts[rank], record) for rank, record in enumerate(gathered)]
     if parts is not None:
         parts["blocks"] = max(float(record.get("blocks_s", 0.0)) for record in gathered)
@@ -328,6 +343,76 @@ def _cache_file(
     return Path(directory) / f"{device_identity()}-{digest}.json"
 
 
+def _links_file(
+    directory: str | os.PathLike[str] | None, hosts: Sequence[str], repeats: int
+) -> Path | None:
+    """Where rank 0 keeps the link figures of this device set (hosts in rank order)."""
+    if directory is None:
+        return None
+    key = json.dumps([list(hosts), repeats, _TIMINGS_METHOD])
+    return Path(directory) / f"links-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _load_links(path: Path | None) -> tuple[NetworkMeasurement, float] | None:
+    """Kept link figures and their age in seconds, or None (none kept, or unreadable)."""
+    try:
+        fields = _read_kept(path)
+        return None if fields is None else (NetworkMeasurement(**fields), _age_s(path) or 0.0)
+    except (ValueError, TypeError):
+        return None  # from another version: measure again
+
+
+def _read_kept(path: Path | None) -> dict[str, Any] | None:
+    """A kept JSON file's fields, lists as tuples; None when absent or unreadable."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(fields, dict):
+        return None
+    return {k: _tuples(v) if isinstance(v, list) else v for k, v in fields.items()}
+
+
+def _tuples(value: list[Any]) -> tuple[Any, ...]:
+    return tuple(_tuples(v) if isinstance(v, list) else v for v in value)
+
+
+def _write_kept(path: Path | None, fields: dict[str, Any]) -> None:
+    """Write ``fields`` as JSON to ``path`` atomically (temporary file, then rename); a file
+    that cannot be written only costs the next start a measurement."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(fields))
+        os.replace(temporary, path)
+    except OSError:
+        pass
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def _kept_links_line(reused: bool, age_s: float, seconds: float) -> str:
+    """The console line on kept link figures: reused after the probes, or measured again."""
+    if reused:
+        return (
+            f"DeepCEE: links kept from an earlier profile ({_age(age_s)} old): every pair's "
+            f"probe within {KEPT_TOLERANCE:g}x of theirs ({seconds:.1f} s); not measured again"
+        )
+    return (
+        "DeepCEE: links measured again: a pair's probe differs from the kept figures by more "
+        f"than {KEPT_TOLERANCE:g}x"
+    )
+
+
 def kept_line(kept_s: Sequence[float | None], hosts: Sequence[str]) -> str:
     """The console line that names the devices whose block timings came from ``device_cache``
     and how old they are (``kept_s[rank]``: seconds, ``None`` where measured now); empty when
@@ -336,13 +421,7 @@ def kept_line(kept_s: Sequence[float | None], hosts: Sequence[str]) -> str:
     if not kept:
         return ""
 
-    def age(seconds: float) -> str:
-        for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
-            if seconds >= size:
-                return f"{seconds / size:.1f} {unit}"
-        return f"{seconds:.0f} s"
-
-    listed = ", ".join(f"{hosts[rank]} (rank {rank}) {age(s)} old" for rank, s in kept)
+    listed = ", ".join(f"{hosts[rank]} (rank {rank}) {_age(s)} old" for rank, s in kept)
     return (
         f"DeepCEE: block timings kept from an earlier profile (device_cache) on {len(kept)} of "
         f"{len(kept_s)} devices: {listed}; the others measured now, every link measured now"
@@ -358,25 +437,8 @@ def _age_s(path: Path | None) -> float | None:
 
 
 def _load_timings(path: Path | None) -> BlockTimings | None:
-    if path is None or not path.is_file():
-        return None
     try:
-        fields = json.loads(path.read_text())
-        values: dict[str, Any] = {
-            k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()
-        }
-        return BlockTimings(**values)
-    except (OSError, ValueError, TypeError):
+        fields = _read_kept(path)
+        return None if fields is None else BlockTimings(**fields)
+    except (ValueError, TypeError):
         return None  # unreadable or from another version: measure again
-
-
-def _store_timings(path: Path | None, timings: BlockTimings) -> None:
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}")
-        temporary.write_text(json.dumps(dataclasses.asdict(timings)))
-        os.replace(temporary, path)
-    except OSError:
-        pass  # a cache that cannot be written only costs the next start a measurement

@@ -37,6 +37,7 @@ Runtime layer: torch and torch.distributed, never lightning.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -53,9 +54,11 @@ from lightning_deepcee.runtime.measure.passes import (
 )
 
 __all__ = [
+    "KEPT_TOLERANCE",
     "NetworkMeasurement",
     "ProfilingTimeoutError",
     "measure_network",
+    "probes_agree",
     "representative_pairs",
     "round_robin_rounds",
 ]
@@ -92,6 +95,33 @@ class NetworkMeasurement:
     measured pair across groups (:func:`representative_pairs`)."""
     elapsed_s: float
     """Wall seconds this rank spent in :func:`measure_network`."""
+    probe_bandwidth_bytes_per_s: tuple[tuple[float, ...], ...] = ()
+    """The sizing probes' bandwidth of every pair (a short message each way): what a later
+    measurement compares with its own probes before it reuses these figures (``kept``)."""
+    kept: bool = False
+    """Whether the matrices are ``kept``'s, reused because the probes agreed with its own."""
+
+
+KEPT_TOLERANCE = 1.5
+"""Kept link figures are reused while every pair's probe lies within this factor of the probe
+they were measured with (either way): a link that lost or gained a third has changed."""
+
+
+def probes_agree(
+    probe: Sequence[Sequence[float]],
+    kept: Sequence[Sequence[float]],
+    tolerance: float = KEPT_TOLERANCE,
+) -> bool:
+    """Whether every off-diagonal pair of ``probe`` lies within ``tolerance`` times ``kept``'s
+    (either way); False when the shapes differ."""
+    if len(probe) != len(kept) or any(len(a) != len(b) for a, b in zip(probe, kept, strict=True)):
+        return False
+    return all(
+        b / tolerance <= a <= b * tolerance
+        for i, (row, kept_row) in enumerate(zip(probe, kept, strict=True))
+        for j, (a, b) in enumerate(zip(row, kept_row, strict=True))
+        if i != j
+    )
 
 
 def round_robin_rounds(num_ranks: int) -> list[list[tuple[int, int]]]:
@@ -128,6 +158,8 @@ def measure_network(
     op_timeout_s: float | None = None,
     device: torch.device | str = "cpu",
     hosts: Sequence[str] | None = None,
+    kept: NetworkMeasurement | None = None,
+    kept_tolerance: float = KEPT_TOLERANCE,
 ) -> NetworkMeasurement:
     """Latency and bandwidth of every ordered pair of ranks in ``group``; collective.
 
@@ -136,6 +168,11 @@ def measure_network(
     rank) only improves error messages. Raises :class:`ProfilingTimeoutError` on every rank when
     ``budget_s`` runs out, naming the pair being measured; see the module docstring for the
     per-operation timeout (``op_timeout_s``, default: the process group's timeout).
+
+    ``kept`` (the same on every rank): figures of an earlier measurement of these ranks' links.
+    Only the sizing probes run (a short message each way per pair, a few seconds in all); when
+    every pair's probe lies within ``kept_tolerance`` times ``kept``'s (:func:`probes_agree`)
+    its matrices are returned (``kept=True``), else the measurement goes on as without it.
     """
     for name, value, minimum in (
         ("small_bytes", small_bytes, _HEADER_BYTES),
@@ -164,6 +201,8 @@ def measure_network(
         op_timeout_s=op_timeout_s,
         device=torch.device(device),
         hosts=hosts,
+        kept=kept,
+        kept_tolerance=kept_tolerance,
     )
 
 
@@ -214,6 +253,8 @@ def _measure_network(
     op_timeout_s: float | None,
     device: torch.device,
     hosts: Sequence[str] | None,
+    kept: NetworkMeasurement | None,
+    kept_tolerance: float,
 ) -> NetworkMeasurement:
     start = time.perf_counter()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -227,6 +268,11 @@ def _measure_network(
         small_bytes=small_bytes, large_bytes=large_bytes, repeats=0, sizes=None,
         budget_s=budget_s, start=start, first_round=0, total_rounds=None,
     )  # fmt: skip
+    probe = tuple(tuple(row) for row in probe_bandwidth.cpu().tolist())
+    if kept is not None and probes_agree(probe, kept.probe_bandwidth_bytes_per_s, kept_tolerance):
+        return dataclasses.replace(
+            kept, num_rounds=len(rounds), elapsed_s=time.perf_counter() - start, kept=True
+        )
     # Phase 2: the measured figures. Pairs inside a network group run concurrently (a switch
     # carries disjoint pairs at full rate); pairs across groups run one at a time, because they
     # may share one WAN link (pairs crossing it at once would each see only part of it).
@@ -255,6 +301,7 @@ def _measure_network(
         bandwidth_bytes_per_s=tuple(tuple(row) for row in bandwidth.cpu().tolist()),
         num_rounds=len(rounds) + len(schedule),
         elapsed_s=time.perf_counter() - start,
+        probe_bandwidth_bytes_per_s=probe,
     )
 
 

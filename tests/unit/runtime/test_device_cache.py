@@ -58,7 +58,11 @@ def test_a_device_reuses_its_own_timings(
     calls: list[int] = []
     monkeypatch.setenv("DEEPCEE_DEVICE", "edge7")
     first = _profile(tmp_path, monkeypatch, calls)
-    assert len(calls) == 1 and [p.name[:6] for p in tmp_path.iterdir()] == ["edge7-"]
+    # The device's block timings, and rank 0's link figures.
+    assert len(calls) == 1 and sorted(p.name[:6] for p in tmp_path.iterdir()) == [
+        "edge7-",
+        "links-",
+    ]
     again = _profile(tmp_path, monkeypatch, calls)
     assert len(calls) == 1 and again == first  # read back, not measured
     monkeypatch.setenv("DEEPCEE_DEVICE", "edge8")  # another device: measured
@@ -83,8 +87,10 @@ def test_the_console_names_the_devices_whose_timings_were_kept_and_their_age(
     kept: list[str] = []
     _profile(tmp_path, monkeypatch, calls, kept)
     assert len(calls) == 1
-    (line,) = [line for line in kept if "kept" in line]
+    (line,) = [line for line in kept if "block timings kept" in line]
     assert "on 1 of 1 devices: edge7 (rank 0)" in line and " s old" in line
+    (line,) = [line for line in kept if "links kept" in line]  # one device: nothing to probe
+    assert " s old" in line and "not measured again" in line
 
 
 def test_kept_line_says_how_old_each_kept_figure_is() -> None:
