@@ -404,12 +404,13 @@ def _kept_links_line(reused: bool, age_s: float, seconds: float) -> str:
     """The console line on kept link figures: reused after the probes, or measured again."""
     if reused:
         return (
-            f"DeepCEE: links kept from an earlier profile ({_age(age_s)} old): every pair's "
-            f"probe within {KEPT_TOLERANCE:g}x of theirs ({seconds:.1f} s); not measured again"
+            f"DeepCEE: links kept from an earlier profile ({_age(age_s)} old): the probes "
+            f"between network groups within {KEPT_TOLERANCE:g}x of theirs ({seconds:.1f} s); "
+            "not measured again"
         )
     return (
-        "DeepCEE: links measured again: a pair's probe differs from the kept figures by more "
-        f"than {KEPT_TOLERANCE:g}x"
+        "DeepCEE: links measured again: the probes between two network groups differ from the "
+        f"kept figures' by more than {KEPT_TOLERANCE:g}x"
     )
 
 

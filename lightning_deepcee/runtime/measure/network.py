@@ -38,7 +38,9 @@ Runtime layer: torch and torch.distributed, never lightning.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -103,25 +105,39 @@ class NetworkMeasurement:
 
 
 KEPT_TOLERANCE = 1.5
-"""Kept link figures are reused while every pair's probe lies within this factor of the probe
-they were measured with (either way): a link that lost or gained a third has changed."""
+"""Kept link figures are reused while the probes between every two network groups lie, at
+their median, within this factor of the probes they were measured with (either way): a WAN
+link that lost or gained a third has changed."""
+
+_INSIDE_TOLERANCE = 3.0
+"""The same inside a network group: a short probe on a fast link reads mostly scheduling noise,
+and such a link is seldom what a plan waits for."""
 
 
 def probes_agree(
     probe: Sequence[Sequence[float]],
-    kept: Sequence[Sequence[float]],
+    kept: NetworkMeasurement,
     tolerance: float = KEPT_TOLERANCE,
 ) -> bool:
-    """Whether every off-diagonal pair of ``probe`` lies within ``tolerance`` times ``kept``'s
-    (either way); False when the shapes differ."""
-    if len(probe) != len(kept) or any(len(a) != len(b) for a, b in zip(probe, kept, strict=True)):
+    """Whether ``probe`` agrees with the probes ``kept`` was measured with: for every ordered
+    pair of network groups (:func:`group_by_network` of ``kept``'s bandwidth) the median probe
+    over its pairs lies within ``tolerance`` times ``kept``'s (``_INSIDE_TOLERANCE``, or
+    ``tolerance`` when larger, inside a group); False when the shapes differ. One pair's probe
+    can read a traffic shaper's burst or a stalled process; a link's median reads the link."""
+    then = kept.probe_bandwidth_bytes_per_s
+    if len(probe) != len(then) or any(len(a) != len(b) for a, b in zip(probe, then, strict=True)):
         return False
-    return all(
-        b / tolerance <= a <= b * tolerance
-        for i, (row, kept_row) in enumerate(zip(probe, kept, strict=True))
-        for j, (a, b) in enumerate(zip(row, kept_row, strict=True))
-        if i != j
-    )
+    groups = group_by_network(kept.bandwidth_bytes_per_s)
+    for a, b in itertools.product(groups, repeat=2):
+        pairs = [(i, j) for i in a for j in b if i != j]
+        if not pairs:
+            continue
+        now = statistics.median(probe[i][j] for i, j in pairs)
+        before = statistics.median(then[i][j] for i, j in pairs)
+        allowed = tolerance if a != b else max(tolerance, _INSIDE_TOLERANCE)
+        if not before / allowed <= now <= before * allowed:
+            return False
+    return True
 
 
 def round_robin_rounds(num_ranks: int) -> list[list[tuple[int, int]]]:
@@ -171,8 +187,9 @@ def measure_network(
 
     ``kept`` (the same on every rank): figures of an earlier measurement of these ranks' links.
     Only the sizing probes run (a short message each way per pair, a few seconds in all); when
-    every pair's probe lies within ``kept_tolerance`` times ``kept``'s (:func:`probes_agree`)
-    its matrices are returned (``kept=True``), else the measurement goes on as without it.
+    probes agree with ``kept``'s (:func:`probes_agree`, ``kept_tolerance`` between network
+    groups) its matrices are returned (``kept=True``), else the measurement goes on as
+    without it.
     """
     for name, value, minimum in (
         ("small_bytes", small_bytes, _HEADER_BYTES),
@@ -269,7 +286,7 @@ def _measure_network(
         budget_s=budget_s, start=start, first_round=0, total_rounds=None,
     )  # fmt: skip
     probe = tuple(tuple(row) for row in probe_bandwidth.cpu().tolist())
-    if kept is not None and probes_agree(probe, kept.probe_bandwidth_bytes_per_s, kept_tolerance):
+    if kept is not None and probes_agree(probe, kept, kept_tolerance):
         return dataclasses.replace(
             kept, num_rounds=len(rounds), elapsed_s=time.perf_counter() - start, kept=True
         )

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 from lightning_deepcee.runtime.measure import round_robin_rounds
-from lightning_deepcee.runtime.measure.network import representative_pairs
+from lightning_deepcee.runtime.measure.network import (
+    NetworkMeasurement,
+    probes_agree,
+    representative_pairs,
+)
 
 MB = 1e6
 
@@ -58,3 +63,30 @@ def test_no_stand_in_within_the_budget_of_two_pairs_per_link() -> None:
         group_of = dict(enumerate(g for g, size in enumerate(sizes) for _ in range(size)))
         speed = {k: 5 * MB for k in itertools.product(range(len(sizes)), repeat=2)}
         assert representative_pairs(_across(group_of), group_of, _probe(group_of, speed)) == {}
+
+
+def test_kept_links_agree_by_the_median_probe_between_network_groups() -> None:
+    # Two groups of two: a fast LAN inside each, a slow WAN between them.
+    inf, lan, wan = math.inf, 1e9, 1e6
+    bandwidth = [
+        [inf, lan, wan, wan],
+        [lan, inf, wan, wan],
+        [wan, wan, inf, lan],
+        [wan, wan, lan, inf],
+    ]
+    kept = NetworkMeasurement(
+        latency_s=((0.0,) * 4,) * 4,
+        bandwidth_bytes_per_s=tuple(tuple(row) for row in bandwidth),
+        num_rounds=3,
+        elapsed_s=1.0,
+        probe_bandwidth_bytes_per_s=tuple(tuple(row) for row in bandwidth),
+    )
+    assert probes_agree(bandwidth, kept)
+    noisy = [row[:] for row in bandwidth]
+    noisy[0][2] = 3 * wan  # one WAN pair read a shaper's burst: the link's median holds
+    noisy[0][1] = lan / 2.5  # a LAN probe read scheduling noise: within 3x inside a group
+    assert probes_agree(noisy, kept)
+    slower = [[v / 2 if v == wan else v for v in row] for row in bandwidth]
+    assert not probes_agree(slower, kept)  # the WAN link lost half
+    assert probes_agree(slower, kept, tolerance=2.5)
+    assert not probes_agree([row[:3] for row in bandwidth[:3]], kept)  # another device set
