@@ -148,9 +148,9 @@ def profile_cluster(
     ``$DEEPCEE_DEVICE_KIND`` (default: the torch device type). With ``device_cache`` (a
     directory on each device), a device reuses its own block timings from an earlier profile of
     the same model, micro-batch and CPU quota (an elastic restart measures only the devices that
-    are new), and rank 0 keeps the link figures of the same device set: the next profile only
-    probes each pair and reuses them while every probe agrees (:func:`measure_network`'s
-    ``kept``). ``block_budget_s`` bounds each device's block
+    are new), and rank 0 keeps the link figures of the same device set: the next profile
+    measures one pair between every two network groups and reuses them while those agree
+    (:func:`measure_network`'s ``kept``). ``block_budget_s`` bounds each device's block
     timings (:func:`measure_blocks`' ``budget_s``: a slow device takes fewer rounds and repeats).
     ``parts``, when given, receives the wall seconds of the slowest device's block timings
     (``"blocks"``) and of the network measurement (``"network"``), the same on every rank.
@@ -404,13 +404,13 @@ def _kept_links_line(reused: bool, age_s: float, seconds: float) -> str:
     """The console line on kept link figures: reused after the probes, or measured again."""
     if reused:
         return (
-            f"DeepCEE: links kept from an earlier profile ({_age(age_s)} old): the probes "
-            f"between network groups within {KEPT_TOLERANCE:g}x of theirs ({seconds:.1f} s); "
+            f"DeepCEE: links kept from an earlier profile ({_age(age_s)} old): a pair between "
+            f"every two network groups within {KEPT_TOLERANCE:g}x of them ({seconds:.1f} s); "
             "not measured again"
         )
     return (
-        "DeepCEE: links measured again: the probes between two network groups differ from the "
-        f"kept figures' by more than {KEPT_TOLERANCE:g}x"
+        "DeepCEE: links measured again: a pair between two network groups is more than "
+        f"{KEPT_TOLERANCE:g}x off the kept figures"
     )
 
 

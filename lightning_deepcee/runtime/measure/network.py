@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,8 +58,9 @@ __all__ = [
     "KEPT_TOLERANCE",
     "NetworkMeasurement",
     "ProfilingTimeoutError",
+    "check_pairs",
+    "kept_agrees",
     "measure_network",
-    "probes_agree",
     "representative_pairs",
     "round_robin_rounds",
 ]
@@ -97,47 +97,38 @@ class NetworkMeasurement:
     measured pair across groups (:func:`representative_pairs`)."""
     elapsed_s: float
     """Wall seconds this rank spent in :func:`measure_network`."""
-    probe_bandwidth_bytes_per_s: tuple[tuple[float, ...], ...] = ()
-    """The sizing probes' bandwidth of every pair (a short message each way): what a later
-    measurement compares with its own probes before it reuses these figures (``kept``)."""
     kept: bool = False
-    """Whether the matrices are ``kept``'s, reused because the probes agreed with its own."""
+    """Whether the matrices are ``kept``'s, reused because a check of its WAN links agreed."""
 
 
 KEPT_TOLERANCE = 1.5
-"""Kept link figures are reused while the probes between every two network groups lie, at
-their median, within this factor of the probes they were measured with (either way): a WAN
-link that lost or gained a third has changed."""
-
-_INSIDE_TOLERANCE = 3.0
-"""The same inside a network group: a short probe on a fast link reads mostly scheduling noise,
-and such a link is seldom what a plan waits for."""
+"""Kept link figures are reused while a short measurement of one pair between every two network
+groups lies within this factor of the kept figure, each way: a WAN link that lost or gained a
+third has changed."""
 
 
-def probes_agree(
-    probe: Sequence[Sequence[float]],
+def check_pairs(kept: NetworkMeasurement) -> list[tuple[int, int]]:
+    """The pairs a kept measurement is checked on: the first rank of each network group (of
+    its bandwidth) with the first of every later group. Links inside a group are fast and seldom
+    what a plan waits for; one pair stands for the WAN link between two groups."""
+    groups = group_by_network(kept.bandwidth_bytes_per_s)
+    return [(a[0], b[0]) for a, b in itertools.combinations(groups, 2)]
+
+
+def kept_agrees(
     kept: NetworkMeasurement,
+    bandwidth: Sequence[Sequence[float]],
+    pairs: Sequence[tuple[int, int]],
     tolerance: float = KEPT_TOLERANCE,
 ) -> bool:
-    """Whether ``probe`` agrees with the probes ``kept`` was measured with: for every ordered
-    pair of network groups (:func:`group_by_network` of ``kept``'s bandwidth) the median probe
-    over its pairs lies within ``tolerance`` times ``kept``'s (``_INSIDE_TOLERANCE``, or
-    ``tolerance`` when larger, inside a group); False when the shapes differ. One pair's probe
-    can read a traffic shaper's burst or a stalled process; a link's median reads the link."""
-    then = kept.probe_bandwidth_bytes_per_s
-    if len(probe) != len(then) or any(len(a) != len(b) for a, b in zip(probe, then, strict=True)):
-        return False
-    groups = group_by_network(kept.bandwidth_bytes_per_s)
-    for a, b in itertools.product(groups, repeat=2):
-        pairs = [(i, j) for i in a for j in b if i != j]
-        if not pairs:
-            continue
-        now = statistics.median(probe[i][j] for i, j in pairs)
-        before = statistics.median(then[i][j] for i, j in pairs)
-        allowed = tolerance if a != b else max(tolerance, _INSIDE_TOLERANCE)
-        if not before / allowed <= now <= before * allowed:
-            return False
-    return True
+    """Whether ``bandwidth`` (measured now on ``pairs``, both ways) lies within ``tolerance``
+    times ``kept``'s figure for every such direction."""
+    then = kept.bandwidth_bytes_per_s
+    return all(
+        then[i][j] / tolerance <= bandwidth[i][j] <= then[i][j] * tolerance
+        for low, high in pairs
+        for i, j in ((low, high), (high, low))
+    )
 
 
 def round_robin_rounds(num_ranks: int) -> list[list[tuple[int, int]]]:
@@ -186,10 +177,10 @@ def measure_network(
     per-operation timeout (``op_timeout_s``, default: the process group's timeout).
 
     ``kept`` (the same on every rank): figures of an earlier measurement of these ranks' links.
-    Only the sizing probes run (a short message each way per pair, a few seconds in all); when
-    probes agree with ``kept``'s (:func:`probes_agree`, ``kept_tolerance`` between network
-    groups) its matrices are returned (``kept=True``), else the measurement goes on as
-    without it.
+    One pair between every two of its network groups is measured first, each way, once, with
+    messages sized as ``kept`` would size them (:func:`check_pairs`); when every such figure
+    lies within ``kept_tolerance`` times ``kept``'s (:func:`kept_agrees`) its matrices are
+    returned (``kept=True``, a second or two per WAN link), else the whole measurement runs.
     """
     for name, value, minimum in (
         ("small_bytes", small_bytes, _HEADER_BYTES),
@@ -277,6 +268,22 @@ def _measure_network(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if hosts is not None and len(hosts) != world:
         raise ValueError(f"hosts: expected {world} names (one per rank), got {len(hosts)}")
+    if kept is not None and len(kept.bandwidth_bytes_per_s) == world:
+        pairs = check_pairs(kept)
+        sizes = (torch.tensor(kept.bandwidth_bytes_per_s) * _TARGET_S).clamp(
+            min=small_bytes + 1, max=large_bytes
+        )
+        _, bandwidth = _run_rounds(
+            [([pair], "checking kept figures") for pair in pairs],
+            rank=rank, group=group, device=device, op_timeout_s=op_timeout_s, hosts=hosts,
+            small_bytes=small_bytes, large_bytes=large_bytes, repeats=1,
+            sizes=sizes.long().tolist(), budget_s=budget_s, start=start, first_round=0,
+            total_rounds=len(pairs),
+        )  # fmt: skip
+        if kept_agrees(kept, bandwidth.cpu().tolist(), pairs, kept_tolerance):
+            return dataclasses.replace(
+                kept, num_rounds=len(pairs), elapsed_s=time.perf_counter() - start, kept=True
+            )
     rounds = round_robin_rounds(world)
     # Phase 1: one sizing probe each way for every pair, in rounds of disjoint pairs.
     _, probe_bandwidth = _run_rounds(
@@ -285,11 +292,6 @@ def _measure_network(
         small_bytes=small_bytes, large_bytes=large_bytes, repeats=0, sizes=None,
         budget_s=budget_s, start=start, first_round=0, total_rounds=None,
     )  # fmt: skip
-    probe = tuple(tuple(row) for row in probe_bandwidth.cpu().tolist())
-    if kept is not None and probes_agree(probe, kept, kept_tolerance):
-        return dataclasses.replace(
-            kept, num_rounds=len(rounds), elapsed_s=time.perf_counter() - start, kept=True
-        )
     # Phase 2: the measured figures. Pairs inside a network group run concurrently (a switch
     # carries disjoint pairs at full rate); pairs across groups run one at a time, because they
     # may share one WAN link (pairs crossing it at once would each see only part of it).
@@ -318,7 +320,6 @@ def _measure_network(
         bandwidth_bytes_per_s=tuple(tuple(row) for row in bandwidth.cpu().tolist()),
         num_rounds=len(rounds) + len(schedule),
         elapsed_s=time.perf_counter() - start,
-        probe_bandwidth_bytes_per_s=probe,
     )
 
 

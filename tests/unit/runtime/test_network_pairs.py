@@ -8,7 +8,8 @@ import math
 from lightning_deepcee.runtime.measure import round_robin_rounds
 from lightning_deepcee.runtime.measure.network import (
     NetworkMeasurement,
-    probes_agree,
+    check_pairs,
+    kept_agrees,
     representative_pairs,
 )
 
@@ -65,28 +66,29 @@ def test_no_stand_in_within_the_budget_of_two_pairs_per_link() -> None:
         assert representative_pairs(_across(group_of), group_of, _probe(group_of, speed)) == {}
 
 
-def test_kept_links_agree_by_the_median_probe_between_network_groups() -> None:
-    # Two groups of two: a fast LAN inside each, a slow WAN between them.
-    inf, lan, wan = math.inf, 1e9, 1e6
+def test_kept_links_are_checked_on_one_pair_between_every_two_network_groups() -> None:
+    # Three groups: ranks 0-1 and 2-3 on fast LANs, rank 4 alone; slow links between them.
+    inf, lan, wan, far = math.inf, 1e9, 1e6, 1e5
     bandwidth = [
-        [inf, lan, wan, wan],
-        [lan, inf, wan, wan],
-        [wan, wan, inf, lan],
-        [wan, wan, lan, inf],
+        [inf, lan, wan, wan, far],
+        [lan, inf, wan, wan, far],
+        [wan, wan, inf, lan, far],
+        [wan, wan, lan, inf, far],
+        [far, far, far, far, inf],
     ]
     kept = NetworkMeasurement(
-        latency_s=((0.0,) * 4,) * 4,
+        latency_s=((0.0,) * 5,) * 5,
         bandwidth_bytes_per_s=tuple(tuple(row) for row in bandwidth),
         num_rounds=3,
         elapsed_s=1.0,
-        probe_bandwidth_bytes_per_s=tuple(tuple(row) for row in bandwidth),
     )
-    assert probes_agree(bandwidth, kept)
-    noisy = [row[:] for row in bandwidth]
-    noisy[0][2] = 3 * wan  # one WAN pair read a shaper's burst: the link's median holds
-    noisy[0][1] = lan / 2.5  # a LAN probe read scheduling noise: within 3x inside a group
-    assert probes_agree(noisy, kept)
-    slower = [[v / 2 if v == wan else v for v in row] for row in bandwidth]
-    assert not probes_agree(slower, kept)  # the WAN link lost half
-    assert probes_agree(slower, kept, tolerance=2.5)
-    assert not probes_agree([row[:3] for row in bandwidth[:3]], kept)  # another device set
+    pairs = check_pairs(kept)
+    assert pairs == [(0, 2), (0, 4), (2, 4)]
+    assert kept_agrees(kept, bandwidth, pairs)
+    now = [row[:] for row in bandwidth]
+    now[1][0] = lan / 100  # inside a group: not checked
+    now[2][0] = wan * 1.4  # within 1.5x
+    assert kept_agrees(kept, now, pairs)
+    now[4][2] = far / 2  # the far link lost half, one way
+    assert not kept_agrees(kept, now, pairs)
+    assert kept_agrees(kept, now, pairs, tolerance=2.5)
