@@ -6,7 +6,7 @@ cluster, the search's plan on the profile, or the manual layout's arguments as a
 
 With a device cache (``DeepCEEStrategy(device_cache=...)``), rank 0 keeps the plan that set-up
 trained (after the trial), keyed by the whole profile and the search's settings: a later set-up
-on the same profile (block timings and link figures kept, the probes agreeing) takes it without
+on the same profile (block timings kept, link figures kept after their check) takes it without
 a search or a trial, and says so.
 """
 
