@@ -8,10 +8,13 @@ steps (``lightning_deepcee.strategy.plan_trial``) and keep the fastest by the cl
 :func:`choose_rivals` adds the search's best plans of other structures
 (``plan_search(alternatives=...)``).
 
-A rival of :func:`rival_plans` keeps the plan's devices, stage order, schedule and micro-batch
-count and moves block boundaries by at most two blocks in all (one boundary by one or two
-blocks, or two boundaries by one each). Batch shares are the cost model's for the new ranges,
-bounded by memory, so a rival fits wherever the plan does.
+A rival of :func:`rival_plans` keeps the plan's devices and stage order. It moves block
+boundaries by at most two blocks in all (one boundary by one or two blocks, or two boundaries by
+one each), or runs the plan's ranges or such near ones under another generated schedule or with
+half or twice the micro-batches (:func:`rival_runs`): the model is least sure between schedules
+and counts, whose fixed per-micro-batch costs and bubbles it predicts least well. Batch shares
+are the cost model's for the new ranges, bounded by memory, so a rival fits wherever the plan
+does.
 
 Pure: the planner's own modules and the standard library.
 """
@@ -39,6 +42,7 @@ __all__ = [
     "out_of_race",
     "pick_timed",
     "rival_plans",
+    "rival_runs",
 ]
 
 RIVAL_WITHIN = 0.10
@@ -54,8 +58,20 @@ RACE_MARGIN = 0.30
 ``device_gain``) slower than the fastest plan's median: one stalled step seldom costs that much,
 and a plan that slow is never picked."""
 
-_GENERATED_FOR_COMPACT = ("zb-h1", "1f1b")
-"""A compact plan's actions are fitted to its own ranges; its rivals run these generated kinds."""
+RIVAL_SCHEDULES = ("1f1b", "zb-h1")
+"""The generated schedules a rival may run (a compact plan's actions are fitted to its own
+ranges, so its rivals run these too)."""
+
+
+def rival_runs(plan: Plan) -> list[tuple[str, int]]:
+    """The (schedule, micro-batch count) pairs a rival of ``plan`` may run: the plan's own
+    first (a generated one in place of ``"compact"``), then :data:`RIVAL_SCHEDULES` with half,
+    the same and twice its micro-batches, each count dividing the global batch."""
+    m, batch = plan.num_microbatches, plan.global_batch_size
+    counts = [c for c in (m, m // 2, 2 * m) if c >= 1 and c <= batch and batch % c == 0]
+    own = [] if plan.schedule == "compact" else [(plan.schedule, m)]
+    pairs = own + [(kind, c) for c in counts for kind in RIVAL_SCHEDULES]
+    return list(dict.fromkeys(pairs))
 
 
 def rival_plans(
@@ -66,8 +82,10 @@ def rival_plans(
     within: float = RIVAL_WITHIN,
     config: CostModelConfig | None = None,
     memory_check: bool = True,
+    runs: Sequence[tuple[str, int]] | None = None,
 ) -> list[Plan]:
-    """Up to ``count`` layouts near ``plan``, each predicted at most ``within`` slower, fastest
+    """Up to ``count`` layouts near ``plan``, each predicted at most ``within`` slower: the
+    fastest of each (schedule, micro-batch count) first, then the others, each part fastest
     prediction first (ties: the order the moves are listed in, so the result is deterministic).
 
     Args:
@@ -78,6 +96,8 @@ def rival_plans(
             prediction on ``profile``.
         config: cost model constants (as the search used).
         memory_check: keep only layouts predicted to fit every device's memory.
+        runs: the (schedule, micro-batch count) pairs a rival may run; default
+            :func:`rival_runs`.
 
     Raises:
         ValueError: a negative ``count`` or ``within``, or a plan with several replicas.
@@ -90,37 +110,38 @@ def rival_plans(
         raise ValueError("rival_plans: the plan has several data-parallel pipeline replicas")
     if count == 0 or plan.num_stages < 2:
         return []
+    pairs = list(rival_runs(plan) if runs is None else runs)
     active = sorted({r for st in plan.stages for r in st.ranks})
     local = {rank: i for i, rank in enumerate(active)}
     sub = restrict(profile, active)
-    schedules = _GENERATED_FOR_COMPACT if plan.schedule == "compact" else (plan.schedule,)
     context = SearchContext(
         Evaluator(sub, config),
         global_batch_size=plan.global_batch_size,
-        schedules=schedules,
-        microbatch_counts=(plan.num_microbatches,),
+        schedules=sorted({kind for kind, _ in pairs}),
+        microbatch_counts=sorted({m for _, m in pairs}),
         memory_check=memory_check,
     )
     structure = tuple(tuple(local[r] for r in st.ranks) for st in plan.stages)
     own: Ranges = tuple(st.block_range for st in plan.stages)
+    itself = (own, plan.schedule, plan.num_microbatches)
     reference = Evaluator(profile, config).predict_plan(plan).step_time_s
     limit = reference * (1 + within)
     found: list[tuple[float, int, Candidate]] = []
-    for index, ranges in enumerate(_near(own)):
-        best: Candidate | None = None
-        for kind in schedules:
-            scored = context.evaluate(structure, ranges, kind, plan.num_microbatches)
-            if scored is not None and (best is None or scored.step_time_s < best.step_time_s):
-                best = scored
-        if best is not None and best.step_time_s <= limit:
-            found.append((best.step_time_s, index, best))
+    for index, (ranges, (kind, m)) in enumerate(itertools.product([own, *_near(own)], pairs)):
+        if (ranges, kind, m) == itself:
+            continue
+        scored = context.evaluate(structure, ranges, kind, m)
+        if scored is not None and scored.step_time_s <= limit:
+            found.append((scored.step_time_s, index, scored))
     found.sort(key=lambda item: item[:2])
+    firsts: dict[tuple[str, int], int] = {}
+    for item in found:
+        firsts.setdefault((item[2].schedule, item[2].num_microbatches), item[1])
+    lead = set(firsts.values())
+    ordered = sorted(found, key=lambda item: (item[1] not in lead, *item[:2]))
     rivals = []
-    for step_s, _, scored in found[:count]:
-        note = (
-            f"rival of the searched plan (predicted {reference * 1e3:.2f} ms): block "
-            f"boundaries moved, predicted {step_s * 1e3:.2f} ms"
-        )
+    for _, _, scored in ordered[:count]:
+        note = _rival_note(plan, reference, scored, moved=scored.ranges != own)
         made = plan_from_candidate(sub, scored, plan.global_batch_size, note)
         made = dataclasses.replace(
             made,
@@ -129,6 +150,17 @@ def rival_plans(
         )
         rivals.append(lift(made, active, profile.num_devices))
     return rivals
+
+
+def _rival_note(plan: Plan, reference_s: float, scored: Candidate, *, moved: bool) -> str:
+    """What a rival changes, and both predictions."""
+    changes = ["block boundaries moved"] if moved else []
+    if (scored.schedule, scored.num_microbatches) != (plan.schedule, plan.num_microbatches):
+        changes.append(f"{scored.schedule} with {scored.num_microbatches} micro-batches")
+    return (
+        f"rival of the searched plan (predicted {reference_s * 1e3:.2f} ms): "
+        f"{', '.join(changes)}, predicted {scored.step_time_s * 1e3:.2f} ms"
+    )
 
 
 def choose_rivals(
@@ -141,9 +173,10 @@ def choose_rivals(
 ) -> list[Plan]:
     """Up to ``count`` plans to time against ``plan``, each predicted within ``RIVAL_WITHIN``
     of it, fastest prediction first: the search's best alternatives of another structure
-    (device set, stages, schedule or micro-batch count; up to half the places, the fastest),
-    the near layouts of :func:`rival_plans` in the other places, any places left to the other
-    alternatives. Each layout once, never ``plan``'s own. ``config``: as the search's."""
+    (device set, stages, schedule or micro-batch count; up to half the places, rounded up, the
+    fastest), the near layouts of :func:`rival_plans` in the other places, any places left
+    to the other alternatives. Each layout once, never ``plan``'s own. ``config``: as the
+    search's."""
     reference = plan.predicted_step_time_s
     limit = reference * (1 + RIVAL_WITHIN)
     seen = {plan.layout_key}

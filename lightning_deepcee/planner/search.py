@@ -146,9 +146,10 @@ def plan_search(
             error, and every extra device adds links whose bandwidth can fall and a device that
             can fail; 0 takes the fastest prediction whatever its size.
         alternatives: when given, filled with the best plans of the other candidates the search
-            scored in full (the other fully searched device set, the other candidate kinds,
-            schedules and micro-batch counts on each), each once, fastest prediction first; the
-            plan trial times those the cost model cannot rank against the result.
+            scored in full (the other fully searched device set, the other candidate kinds and
+            the next best layouts on each, each at its fastest schedule and micro-batch count),
+            each once, fastest prediction first; the plan trial times those the cost model
+            cannot rank against the result.
         map_fn: runs the full searches' independent calls (refining each of the best orders,
             fitting the compact schedule to each layout at each micro-batch count); one that
             spreads them over other processes (``DeepCEEStrategy`` at set-up) returns the same

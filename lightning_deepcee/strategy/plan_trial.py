@@ -3,7 +3,8 @@
 The searched plan and its rivals, predicted within 10% of it (inside the cost model's error):
 the search's best plans of another structure (another device set, stage count, schedule or
 micro-batch count; ``plan_search(alternatives=...)``) and the near layouts (block boundaries
-moved; :func:`~lightning_deepcee.planner.rivals.choose_rivals`), each run a few
+moved, another schedule or micro-batch count on the same devices;
+:func:`~lightning_deepcee.planner.rivals.choose_rivals`), each run a few
 whole pipeline steps on the first training batch, forward and backward, no optimizer step; the
 fastest by the clock is built for training. A rival is built from the copies of the blocks each
 rank already holds (``layout_build.build_for_timing``): no state crosses the links, since a

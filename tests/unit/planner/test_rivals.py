@@ -1,22 +1,31 @@
 """Rivals of a plan: near layouts the cost model cannot rank, listed for the setup trial.
 
-Checked against a brute force over the same cost model: every rival moves the plan's block
-boundaries by at most two blocks in all, keeps its devices, schedule and micro-batches, is
-predicted within the margin and carries its true prediction; every layout that qualifies is
-listed; idle ranks stay idle.
+Checked against a brute force over the same cost model: every rival keeps the plan's devices,
+moves its block boundaries by at most two blocks in all or runs another schedule or micro-batch
+count, is predicted within the margin and carries its true prediction; every layout that
+qualifies is listed, the fastest of each schedule and count first; idle ranks stay idle.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
 import pytest
 
 from lightning_deepcee.planner import Plan, predict_plan
-from lightning_deepcee.planner.rivals import choose_rivals, out_of_race, pick_timed, rival_plans
+from lightning_deepcee.planner.rivals import (
+    choose_rivals,
+    out_of_race,
+    pick_timed,
+    rival_plans,
+    rival_runs,
+)
 from lightning_deepcee.planner.search import make_plan, plan_search
 from lightning_deepcee.profiler.data import ClusterProfile
+from lightning_deepcee.schedule.actions import format_actions
+from lightning_deepcee.schedule.generators import generate
 from tests.helpers.clusters import make_profile, two_zones
 
 
@@ -60,7 +69,7 @@ def test_rivals_are_the_near_layouts_within_the_margin(schedule: str) -> None:
     profile = _cluster([1.0, 1.1, 0.9, 1.05])
     plan = _plan(profile, schedule)
     within = 0.15
-    rivals = rival_plans(profile, plan, count=50, within=within)
+    rivals = rival_plans(profile, plan, count=50, within=within, runs=[(schedule, 4)])
     assert rivals, "equal devices: some near layout is within 15%"
     limit = plan.predicted_step_time_s * (1 + within)
     listed = set()
@@ -94,10 +103,76 @@ def test_rivals_are_the_near_layouts_within_the_margin(schedule: str) -> None:
     assert listed == expected
 
 
+def test_rivals_run_other_schedules_and_counts_fastest_of_each_first() -> None:
+    profile = _cluster([1.0, 1.1, 0.9, 1.05])
+    plan = _plan(profile, "zb-h1")  # 4 micro-batches of a batch of 32
+    assert rival_runs(plan) == [
+        ("zb-h1", 4), ("1f1b", 4), ("1f1b", 2), ("zb-h1", 2), ("1f1b", 8), ("zb-h1", 8),
+    ]  # fmt: skip
+    within = 0.3
+    rivals = rival_plans(profile, plan, count=500, within=within)
+    limit = plan.predicted_step_time_s * (1 + within)
+    listed = {(_cuts(r), r.schedule, r.num_microbatches) for r in rivals}
+    assert len(listed) == len(rivals)
+    expected = set()
+    for cuts in itertools.combinations(range(1, 12), 3):
+        for kind, m in rival_runs(plan):
+            if _moves(cuts, _cuts(plan)) > 2 or (cuts, kind, m) == (_cuts(plan), "zb-h1", 4):
+                continue
+            other = make_plan(
+                profile,
+                [[0], [1], [2], [3]],
+                list(itertools.pairwise((0, *cuts, 12))),
+                schedule=kind,
+                num_microbatches=m,
+                global_batch_size=32,
+            )
+            if other is not None and other.predicted_step_time_s <= limit:
+                expected.add((cuts, kind, m))
+    assert listed == expected
+    assert {(k, m) for _, k, m in listed} - {("zb-h1", 4)}, "other runs are listed"
+    runs = list(dict.fromkeys((r.schedule, r.num_microbatches) for r in rivals))
+    firsts, rest = rivals[: len(runs)], rivals[len(runs) :]
+    assert [(r.schedule, r.num_microbatches) for r in firsts] == runs
+    for part in (firsts, rest):
+        times = [r.predicted_step_time_s for r in part]
+        assert times == sorted(times)
+    for rival in rivals:
+        assert predict_plan(profile, rival).step_time_s == pytest.approx(
+            rival.predicted_step_time_s, rel=1e-9
+        )
+        changed = (rival.schedule, rival.num_microbatches) != ("zb-h1", 4)
+        assert ("micro-batches" in rival.notes) == changed, rival.notes
+        assert ("boundaries moved" in rival.notes) == (_cuts(rival) != _cuts(plan)), rival.notes
+
+
+def test_rival_runs_keep_counts_that_divide_the_batch() -> None:
+    profile = _cluster([1.0, 1.1, 0.9, 1.05])
+    plan = make_plan(
+        profile, [[0], [1], [2], [3]], [(0, 3), (3, 6), (6, 9), (9, 12)], schedule="1f1b",
+        num_microbatches=3, global_batch_size=6,
+    )  # fmt: skip
+    assert plan is not None
+    # 3 // 2 = 1 divides 6; 2 * 3 = 6 divides 6.
+    assert rival_runs(plan) == [("1f1b", 3), ("zb-h1", 3), ("1f1b", 1), ("zb-h1", 1),
+                                ("1f1b", 6), ("zb-h1", 6)]  # fmt: skip
+    # A compact plan's rivals run generated kinds; 8 does not divide 12.
+    fitted = generate("zb-h1", 4, 4)
+    compact = dataclasses.replace(
+        plan,
+        schedule="compact",
+        num_microbatches=4,
+        global_batch_size=12,
+        stage_actions=tuple(format_actions(fitted[s]) for s in range(4)),
+    )
+    assert rival_runs(compact) == [("1f1b", 4), ("zb-h1", 4), ("1f1b", 2), ("zb-h1", 2)]
+
+
 def test_count_and_margin_bound_the_list() -> None:
     profile = _cluster([1.0, 1.1, 0.9, 1.05])
     plan = _plan(profile)
     many = rival_plans(profile, plan, count=50, within=0.15)
+    assert len(many) > 2
     assert rival_plans(profile, plan, count=2, within=0.15) == many[:2]
     assert rival_plans(profile, plan, count=0) == []
     none = rival_plans(profile, plan, count=5, within=0.0)
