@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -30,6 +30,7 @@ from lightning_deepcee.planner.search import DeviceSetScore
 from lightning_deepcee.profiler import ClusterProfile
 from lightning_deepcee.runtime.manual_layout import ManualLayout, manual_plan
 from lightning_deepcee.runtime.measure import model_fingerprint
+from lightning_deepcee.runtime.measure.kept import format_age, kept_age_s, read_kept, write_kept
 from lightning_deepcee.runtime.spread_search import spread_plan_search
 from lightning_deepcee.strategy.setup_profile import device_cache_dir
 
@@ -110,7 +111,7 @@ def initial_plan(
         kept = _load_kept(kept_file)
         if kept is not None and _fits(kept[0], cluster_profile):
             rank_zero_info(
-                f"DeepCEE: plan kept from an earlier set-up on this profile ({kept[1]:.0f} s "
+                f"DeepCEE: plan kept from an earlier set-up on this profile ({format_age(kept[1])} "
                 "old): no search, no trial\n" + kept[0].format_table()
             )
             return PlanChoice(kept[0], kept=True, kept_file=kept_file)
@@ -133,15 +134,8 @@ def initial_plan(
 def keep_plan(choice: PlanChoice, plan: Plan | None, writer: bool) -> None:
     """On rank 0 (``writer``), keep ``plan`` (the one that trains, after the trial) where
     ``choice`` says, for the next set-up on the same profile; nothing for a kept plan."""
-    if not writer or choice.kept or choice.kept_file is None or plan is None:
-        return
-    try:
-        choice.kept_file.parent.mkdir(parents=True, exist_ok=True)
-        temporary = choice.kept_file.with_name(f".{choice.kept_file.name}.tmp")
-        temporary.write_text(json.dumps(plan.to_dict()))
-        temporary.replace(choice.kept_file)
-    except OSError:
-        pass  # a plan that cannot be kept only costs the next set-up a search
+    if writer and not choice.kept and plan is not None:
+        write_kept(choice.kept_file, plan.to_dict())  # if refused: the next set-up searches
 
 
 def _kept_file(
@@ -169,21 +163,19 @@ def _load_kept(path: Path | None) -> tuple[Plan, float] | None:
     """The kept plan and its age in seconds (rank 0 reads, every rank gets it), or None."""
     if path is None:  # the same on every rank: the same setting
         return None
-    found: list[tuple[str, float] | None] = [None]
+    found: list[tuple[dict[str, Any], float] | None] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            found[0] = (path.read_text(), time.time() - path.stat().st_mtime)
-        except OSError:
-            found[0] = None
+        fields, age = read_kept(path), kept_age_s(path)
+        found[0] = None if fields is None else (fields, age or 0.0)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(found, src=0)
     if found[0] is None:
         return None
-    text, age = found[0]
+    fields, age = found[0]
     try:
-        return Plan.from_dict(json.loads(text)), age
+        return Plan.from_dict(fields), age
     except (ValueError, KeyError, TypeError):
-        return None  # unreadable or from another version: search again
+        return None  # from another version: search again
 
 
 def save_setup_record(

@@ -35,6 +35,7 @@ from lightning_deepcee.profiler.data import (
 from lightning_deepcee.runtime.cpu_quota import read_cpu_quota
 from lightning_deepcee.runtime.liveness import DeviceLostError, default_store, wait_for_ranks
 from lightning_deepcee.runtime.measure.blocks import BlockTimings, measure_blocks
+from lightning_deepcee.runtime.measure.kept import format_age, kept_age_s, read_kept, write_kept
 from lightning_deepcee.runtime.measure.memory import available_memory_bytes
 from lightning_deepcee.runtime.measure.network import (
     KEPT_TOLERANCE,
@@ -164,7 +165,7 @@ def profile_cluster(
     cached = _cache_file(device_cache, model_fp, moved, device)
     began = time.perf_counter()
     timings = _load_timings(cached)
-    kept_s = _age_s(cached) if timings is not None else None
+    kept_s = kept_age_s(cached) if timings is not None else None
     if timings is None:
         timings = measure_blocks(
             blocks,
@@ -176,7 +177,7 @@ def profile_cluster(
             rounds=rounds,
             budget_s=block_budget_s,
         )
-        _write_kept(cached, dataclasses.asdict(timings))
+        write_kept(cached, dataclasses.asdict(timings))
     blocks_s = time.perf_counter() - began
     world, rank_zero = dist.get_world_size(group), dist.get_rank(group) == 0
     counted = itertools.count(1)
@@ -222,7 +223,7 @@ def profile_cluster(
     if rank_zero and kept_links is not None and progress is not None:
         progress(_kept_links_line(network.kept, kept_links[1], network.elapsed_s))
     if not network.kept:
-        _write_kept(links_file, dataclasses.asdict(network))
+        write_kept(links_file, dataclasses.asdict(network))
     devices = [_device_profile(rank, hosts[rank], record) for rank, record in enumerate(gathered)]
     if parts is not None:
         parts["blocks"] = max(float(record.get("blocks_s", 0.0)) for record in gathered)
@@ -356,57 +357,19 @@ def _links_file(
 def _load_links(path: Path | None) -> tuple[NetworkMeasurement, float] | None:
     """Kept link figures and their age in seconds, or None (none kept, or unreadable)."""
     try:
-        fields = _read_kept(path)
-        return None if fields is None else (NetworkMeasurement(**fields), _age_s(path) or 0.0)
+        fields = read_kept(path)
+        return None if fields is None else (NetworkMeasurement(**fields), kept_age_s(path) or 0.0)
     except (ValueError, TypeError):
         return None  # from another version: measure again
-
-
-def _read_kept(path: Path | None) -> dict[str, Any] | None:
-    """A kept JSON file's fields, lists as tuples; None when absent or unreadable."""
-    if path is None or not path.is_file():
-        return None
-    try:
-        fields = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(fields, dict):
-        return None
-    return {k: _tuples(v) if isinstance(v, list) else v for k, v in fields.items()}
-
-
-def _tuples(value: list[Any]) -> tuple[Any, ...]:
-    return tuple(_tuples(v) if isinstance(v, list) else v for v in value)
-
-
-def _write_kept(path: Path | None, fields: dict[str, Any]) -> None:
-    """Write ``fields`` as JSON to ``path`` atomically (temporary file, then rename); a file
-    that cannot be written only costs the next start a measurement."""
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}")
-        temporary.write_text(json.dumps(fields))
-        os.replace(temporary, path)
-    except OSError:
-        pass
-
-
-def _age(seconds: float) -> str:
-    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
-        if seconds >= size:
-            return f"{seconds / size:.1f} {unit}"
-    return f"{seconds:.0f} s"
 
 
 def _kept_links_line(reused: bool, age_s: float, seconds: float) -> str:
     """The console line on kept link figures: reused after the probes, or measured again."""
     if reused:
         return (
-            f"DeepCEE: links kept from an earlier profile ({_age(age_s)} old): a pair between "
-            f"every two network groups within {KEPT_TOLERANCE:g}x of them ({seconds:.1f} s); "
-            "not measured again"
+            f"DeepCEE: links kept from an earlier profile ({format_age(age_s)} old): a pair "
+            f"between every two network groups within {KEPT_TOLERANCE:g}x of them "
+            f"({seconds:.1f} s); not measured again"
         )
     return (
         "DeepCEE: links measured again: a pair between two network groups is more than "
@@ -422,24 +385,16 @@ def kept_line(kept_s: Sequence[float | None], hosts: Sequence[str]) -> str:
     if not kept:
         return ""
 
-    listed = ", ".join(f"{hosts[rank]} (rank {rank}) {_age(s)} old" for rank, s in kept)
+    listed = ", ".join(f"{hosts[rank]} (rank {rank}) {format_age(s)} old" for rank, s in kept)
     return (
         f"DeepCEE: block timings kept from an earlier profile (device_cache) on {len(kept)} of "
         f"{len(kept_s)} devices: {listed}; the others measured now, every link measured now"
     )
 
 
-def _age_s(path: Path | None) -> float | None:
-    """Seconds since ``path`` was written (``None`` when it cannot be read)."""
-    try:
-        return max(0.0, time.time() - path.stat().st_mtime) if path is not None else None
-    except OSError:
-        return None
-
-
 def _load_timings(path: Path | None) -> BlockTimings | None:
     try:
-        fields = _read_kept(path)
+        fields = read_kept(path)
         return None if fields is None else BlockTimings(**fields)
     except (ValueError, TypeError):
         return None  # unreadable or from another version: measure again
