@@ -20,6 +20,13 @@ Runs the same training twice on the lab under the same bandwidth trace, once wit
   (``--profile`` profiles at setup in both arms, so the adapter can predict and act); give
   ``--trace``.
 
+An ``oracle`` arm (``--modes off,on,oracle``, planned layout only) is the static run of the plan
+made for the degraded network: the planner's search on ``profile.json`` with every pair whose
+path crosses the degraded link read at the degraded rate (:func:`degraded_profile`), written to
+``oracle_plan.json`` and run without the adapter over the same trace. No adapter can beat the
+best plan for the network it is on, so the table gives, for each phase, the adapter's share of
+the oracle's gain over the static plan: ``(on - off) / (oracle - off)``.
+
 Every device runs this file in ``worker`` mode, rank 0 writing one JSON line per optimizer
 step: its end on the trace's clock (``DEEPCEE_LAB_T0``), its wall time, and the micro-batch count
 in force. Results: ``<results>/adapter_<topology>[_planned|_replan].json`` (per-step records of
@@ -168,6 +175,72 @@ def make_trace(
         {"at_s": drop_at_s, "link": list(link), "bandwidth_mbit": round(mbit * factor, 3)},
         {"at_s": restore_at_s, "link": list(link), "bandwidth_mbit": mbit},
     ]
+
+
+def degraded_profile(profile: Any, topology: Any, changes: dict[tuple[str, str], float]) -> Any:
+    """``profile`` as the links would read with the WAN links of ``changes`` (``(region,
+    region)``, names sorted -> Mbit/s) at their new rates: each pair's measured bandwidth scaled
+    by how much its path's configured bottleneck moves (the path keeps its measured efficiency);
+    latencies, devices and fingerprints unchanged. Rank ``r`` is the topology's device ``r``."""
+    import dataclasses
+
+    wan = tuple(
+        dataclasses.replace(link, mbit=changes.get(tuple(sorted(link.regions)), link.mbit))
+        for link in topology.wan
+    )
+    changed = dataclasses.replace(topology, wan=wan)
+    names = [device.name for device in topology.devices]
+    if len(names) != profile.num_devices:
+        raise ValueError(
+            f"the profile has {profile.num_devices} devices, the topology {len(names)}"
+        )
+    rows = []
+    for a, row in enumerate(profile.bandwidth_bytes_per_s):
+        rows.append(tuple(
+            cell if a == b else cell * changed.path_mbit(names[a], names[b])
+            / topology.path_mbit(names[a], names[b])
+            for b, cell in enumerate(row)
+        ))  # fmt: skip
+    return dataclasses.replace(profile, bandwidth_bytes_per_s=tuple(rows))
+
+
+def degraded_links(trace: list[dict[str, Any]], topology: Any) -> dict[tuple[str, str], float]:
+    """The WAN links the first event of ``trace`` (the drop) sets, with their rates; the
+    oracle plans for them. Raises SystemExit for an event on anything but a WAN link."""
+    first = min(event["at_s"] for event in trace)
+    out: dict[tuple[str, str], float] = {}
+    for event in trace:
+        if event["at_s"] != first:
+            continue
+        kind, a, b = topology.resolve_link(event["link"])
+        if kind != "wan" or "bandwidth_mbit" not in event:
+            raise SystemExit(
+                f"[adapter-bench] the oracle plans for WAN bandwidth changes; the trace's "
+                f"first event sets {event}"
+            )
+        out[(min(a, b), max(a, b))] = float(event["bandwidth_mbit"])
+    return out
+
+
+def oracle_plan(
+    profile_path: Path, plan: dict[str, Any], topology: Any, trace: list[dict[str, Any]],
+    path: Path,
+) -> dict[str, Any]:  # fmt: skip
+    """Search the plan for the degraded network (the strategy's defaults on the degraded
+    profile, for the static plan's global batch), write it to ``path`` and return it."""
+    from lightning_deepcee.planner import Plan, plan_search
+    from lightning_deepcee.profiler import ClusterProfile
+
+    profile = ClusterProfile.from_json(profile_path)
+    degraded = degraded_profile(profile, topology, degraded_links(trace, topology))
+    found = plan_search(
+        degraded,
+        num_blocks=degraded.num_blocks,
+        global_batch_size=Plan.from_dict(plan).global_batch_size,
+    )
+    found.to_json(path)
+    print(f"[adapter-bench] the oracle's plan for the degraded network:\n{found.format_table()}")
+    return found.to_dict()
 
 
 # =============================================================================== harness side
@@ -320,7 +393,9 @@ def harness_main(argv: list[str]) -> int:
     p.add_argument("--end-s", type=float, default=200.0)
     p.add_argument("--skip-s", type=float, default=40.0, help="normal phase starts here")
     p.add_argument("--settle", type=int, default=8)
-    p.add_argument("--modes", default="off,on")
+    p.add_argument(
+        "--modes", default="off,on", help="arms, of off, on and oracle (planned layout only)"
+    )
     p.add_argument("--runs", type=int, default=1, help="runs per arm, interleaved")
     p.add_argument("--results", type=Path, default=HERE / "results")
     p.add_argument("--logs", type=Path, default=REPO / "runs" / "adapter_bench")
@@ -338,6 +413,11 @@ def harness_main(argv: list[str]) -> int:
         p.error("--topology is required (or in --config)")
     if args.layout == "manual" and args.trace is None:
         p.error("--layout manual needs --trace")
+    modes = [] if args.report_only else [m.strip() for m in args.modes.split(",") if m.strip()]
+    if set(modes) - {"off", "on", "oracle"}:
+        p.error(f"--modes: expected arms of off, on and oracle, got {args.modes!r}")
+    if "oracle" in modes and args.layout != "plan":
+        p.error("--modes oracle needs --layout plan (the oracle is the planner's plan)")
     from lightning_deepcee.lab.topology import load_topology
     from lightning_deepcee.lab.trace import load_trace
 
@@ -351,18 +431,27 @@ def harness_main(argv: list[str]) -> int:
     result_path = args.results / f"{name}.json"
     result: dict[str, Any] = json.loads(result_path.read_text()) if result_path.exists() else {}
     plan: dict[str, Any] | None = None
+    oracle: dict[str, Any] | None = None
+    arms: dict[str, list[str]] = {}
     if planned and args.report_only:
         plan, trace = result["config"]["plan"], result["config"]["trace"]
+        oracle = result["config"].get("oracle_plan")
     elif planned:
         plan_path, profile_path = _planner_plan(args, folder)
         plan = json.loads(plan_path.read_text())
         trace_path, trace = _trace_for_plan(args, topology, plan, folder)
         arm = ["--plan", str(plan_path), "--profile-cache", str(profile_path)]
+        if "oracle" in modes:
+            oracle_path = folder / "oracle_plan.json"
+            oracle = oracle_plan(profile_path, plan, topology, trace, oracle_path)
+            arms["oracle"] = ["--plan", str(oracle_path), "--profile-cache", str(profile_path)]
     else:
         trace_path, trace = args.trace, load_trace(args.trace, topology).to_list()
         arm = ["--microbatches", str(args.microbatches), "--schedule", args.schedule,
                *(["--profile"] if args.profile else [])]  # fmt: skip
     phases = _phases(trace, args.end_s)
+    if not args.report_only:
+        arms = {"off": arm, "on": arm, **arms}
     result["config"] = dict(
         topology=str(args.topology), trace=trace, size=args.size, global_batch=args.global_batch,
         microbatches=args.microbatches, schedule=args.schedule, end_s=args.end_s,
@@ -370,7 +459,8 @@ def harness_main(argv: list[str]) -> int:
     )  # fmt: skip
     if planned:
         result["config"].update(layout="plan", plan=plan)
-    modes = [] if args.report_only else [m.strip() for m in args.modes.split(",") if m.strip()]
+    if oracle is not None:
+        result["config"]["oracle_plan"] = oracle
     if modes:  # a table never mixes invocations: this one's runs replace the file's
         result["modes"] = {mode: {"runs": []} for mode in modes}
         result["date"], result["commit"] = time.strftime("%Y-%m-%d"), _git_commit()
@@ -382,8 +472,9 @@ def harness_main(argv: list[str]) -> int:
             log.unlink(missing_ok=True)
             began = time.time()
             rc = _lab(args.topology, trace_path, out, args.end_s + 240, [
-                "--adapter", mode, "--size", args.size, "--global-batch", str(args.global_batch),
-                "--end-s", str(args.end_s), "--steps-log", str(log.resolve()), *arm,
+                "--adapter", "on" if mode == "on" else "off", "--size", args.size,
+                "--global-batch", str(args.global_batch), "--end-s", str(args.end_s),
+                "--steps-log", str(log.resolve()), *arms[mode],
             ])  # fmt: skip
             records = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
             decisions = []
@@ -400,7 +491,7 @@ def harness_main(argv: list[str]) -> int:
                 phases=summarise(records, phases, args.global_batch, args.settle, args.skip_s),
             ))  # fmt: skip
             print(
-                f"[adapter-bench] adapter {mode} run {run + 1}/{args.runs}: rc={rc}, "
+                f"[adapter-bench] arm {mode} run {run + 1}/{args.runs}: rc={rc}, "
                 f"{len(records)} steps",
                 flush=True,
             )
@@ -441,6 +532,7 @@ def render(result: dict[str, Any]) -> str:
     cfg = result["config"]
     phases = _phases(cfg["trace"], cfg["end_s"])
     off_runs, on_runs = mode_runs(result, "off"), mode_runs(result, "on")
+    oracle_runs = mode_runs(result, "oracle")
     if cfg.get("layout") == "plan":
         plan = cfg["plan"]
         stages = " | ".join(",".join(str(r) for r in st["ranks"]) for st in plan["stages"])
@@ -457,16 +549,28 @@ def render(result: dict[str, Any]) -> str:
         if "date" in result
         else ""
     )
+    oracle_note, oracle_head = "", ""
+    if oracle_runs and cfg.get("oracle_plan"):
+        found = cfg["oracle_plan"]
+        stages = " | ".join(",".join(str(r) for r in st["ranks"]) for st in found["stages"])
+        oracle_note = (
+            f" The oracle arm runs, without the adapter, the plan searched for the degraded "
+            f"network (ranks {stages}, {found['schedule']} with {found['num_microbatches']} "
+            f"micro-batches); 'share' is the adapter's part of the oracle's gain over the static "
+            f"plan, settled: (on - off) / (oracle - off)."
+        )
+        oracle_head = " settled oracle | share |"
     lines = [
         f"{when}Topology `{Path(cfg['topology']).stem}`, trace {cfg['trace']}, GPT "
         f"`{cfg['size']}`, global batch {cfg['global_batch']}, {layout}; samples/s count each "
         f"step from the end of the one before; the normal phase is counted from "
         f"{cfg['skip_s']} s (after set-up); "
-        f"'settled' leaves out the first {cfg['settle']} steps of a phase.",
+        f"'settled' leaves out the first {cfg['settle']} steps of a phase.{oracle_note}",
         "",
         "| phase | seconds | adapter off samples/s | adapter on samples/s | on/off "
-        "| on/off per run | settled off | settled on | settled on/off | micro-batches on (last) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| on/off per run | settled off | settled on | settled on/off |"
+        f"{oracle_head} micro-batches on (last) |",
+        "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if oracle_head else "") + "---|",
     ]
 
     def fmt(x: float | None) -> str:
@@ -488,16 +592,31 @@ def render(result: dict[str, Any]) -> str:
         counts = sorted({m for r in on_runs for m in r.get("phases", {}).get(name, {}).get(
             "microbatches", [])})  # fmt: skip
         lasts = [r.get("phases", {}).get(name, {}).get("last_microbatches", "-") for r in on_runs]
+        oracle_cells = ""
+        if oracle_head:
+            settled_oracle = phase_median(oracle_runs, name, "settled_samples_per_s")
+            share = oracle_share(settled_off, settled_on, settled_oracle)
+            oracle_cells = f" {fmt(settled_oracle)} | {share} |"
         lines.append(
             f"| {name} | {start:g}-{end:g} | {fmt(off)} | {fmt(on)} | {ratio(on, off)} | "
             f"{per_run or '-'} | {fmt(settled_off)} | {fmt(settled_on)} | "
-            f"{ratio(settled_on, settled_off)} | {counts or '-'} ({', '.join(map(str, lasts))}) |"
+            f"{ratio(settled_on, settled_off)} |{oracle_cells} {counts or '-'} "
+            f"({', '.join(map(str, lasts))}) |"
         )
     for i, run in enumerate(on_runs):
         if run.get("decisions"):
             lines += ["", f"Adapter decisions, run {i + 1} (rank 0's console):", "", "```text",
                       *run["decisions"], "```"]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def oracle_share(off: float | None, on: float | None, oracle: float | None) -> str:
+    """The adapter's share of the oracle's gain over the static plan, ``(on - off) / (oracle -
+    off)``, as a percentage; ``-`` when a figure is missing or the oracle gains nothing (a share
+    of no gain means nothing)."""
+    if off is None or on is None or oracle is None or oracle <= off:
+        return "-"
+    return f"{(on - off) / (oracle - off):.0%}"
 
 
 def report(result: dict[str, Any], phases: list[tuple[str, float, float]], stem: Path) -> str:
@@ -518,7 +637,7 @@ def _plot(result: dict[str, Any], phases: list[tuple[str, float, float]], path: 
     for name, start, end in phases:
         if name == "degraded":
             ax.axvspan(start, end, color="#f4cccc", label="link degraded")
-    for mode, colour in (("off", "#888888"), ("on", "#4c72b0")):
+    for mode, colour in (("off", "#888888"), ("on", "#4c72b0"), ("oracle", "#55a868")):
         for i, run in enumerate(mode_runs(result, mode)):
             records = with_spans(run.get("records", []))
             if not records:
@@ -526,7 +645,8 @@ def _plot(result: dict[str, Any], phases: list[tuple[str, float, float]], path: 
             xs = [r["end_s"] for r in records]
             ys = [g / max(r["span_s"], 1e-6) for r in records]
             smooth = [statistics.median(ys[max(0, j - 2) : j + 3]) for j in range(len(ys))]
-            label = f"adapter {mode} (median of 5 steps)" if i == 0 else None
+            arm = "oracle's plan" if mode == "oracle" else f"adapter {mode}"
+            label = f"{arm} (median of 5 steps)" if i == 0 else None
             ax.plot(xs, smooth, color=colour, alpha=0.8, linewidth=1, label=label)
     ax.set_xlabel("trace time (s)")
     ax.set_ylabel("samples/s")

@@ -8,6 +8,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import pytest
 
 from lightning_deepcee.lab.topology import load_topology
@@ -184,3 +185,140 @@ def test_the_table_gives_medians_over_interleaved_runs() -> None:
     # A file from before --runs (one run per arm, no date) still renders.
     old = {"config": result["config"], "modes": {"off": _arm(50.0), "on": _arm(55.0)}}
     assert "| normal | 0-100 | 50.00 | 55.00 | 1.10x | 1.10x |" in _bench().render(old)
+
+
+def _cee6_profile() -> Any:
+    from tests.helpers.clusters import make_profile
+
+    zone = np.array([0, 0, 1, 1, 2, 2])
+    mbit = {(0, 1): 100.0, (1, 2): 20.0, (0, 2): 20.0}  # end reaches the cloud through the edge
+    rate = np.array(
+        [[1000.0 if a == b else mbit[min(a, b), max(a, b)] for b in zone] for a in zone]
+    )
+    return make_profile(
+        speeds=[4.0, 4.0, 2.5, 2.5, 1.0, 1.0],
+        num_blocks=8,
+        bandwidth=rate * 1e6 / 8 * 0.9,  # each path measured at 90% of its bottleneck
+        block_s=0.01,
+        activation_bytes=200_000,
+        parameter_bytes=1_000_000,
+    )
+
+
+def test_the_degraded_profile_scales_the_pairs_whose_path_bottleneck_moves() -> None:
+    bench = _bench()
+    profile = _cee6_profile()
+    before = profile.bandwidth_matrix()
+    quarter = bench.degraded_profile(profile, CEE6, {("edge", "end"): 5.0}).bandwidth_matrix()
+    crossing = {(a, b) for a in range(6) for b in range(6) if (a >= 4) != (b >= 4)}
+    for a in range(6):
+        for b in range(6):
+            factor = 0.25 if (a, b) in crossing else 1.0  # 20 -> 5 Mbit/s on every such path
+            assert quarter[a, b] == pytest.approx(before[a, b] * factor), (a, b)
+    # The cloud-edge link at 10 Mbit/s: cloud-edge pairs at a tenth, cloud-end pairs at half
+    # (their bottleneck moves from 20 to 10), the rest as measured.
+    tenth = bench.degraded_profile(profile, CEE6, {("cloud", "edge"): 10.0}).bandwidth_matrix()
+    assert tenth[0, 2] == pytest.approx(before[0, 2] / 10)
+    assert tenth[4, 1] == pytest.approx(before[4, 1] / 2)
+    assert tenth[2, 4] == pytest.approx(before[2, 4]) and tenth[0, 1] == before[0, 1]
+    with pytest.raises(ValueError, match="6 devices"):
+        bench.degraded_profile(profile, load_topology(ROOT / "configs/lab/lan4.yaml"), {})
+
+
+def test_the_oracle_plans_for_the_first_event_of_the_trace(tmp_path: Path) -> None:
+    from lightning_deepcee.planner import Plan, plan_search, predict_plan
+
+    bench = _bench()
+    profile = _cee6_profile()
+    path = tmp_path / "profile.json"
+    profile.to_json(path)
+    static = plan_search(profile, num_blocks=8, global_batch_size=32)
+    assert static.ranks != (0, 1), "the static plan crosses the cloud-edge link"
+    trace = bench.make_trace(CEE6, ("cloud", "edge"), 10.0, 20.0, 0.02)  # 2 Mbit/s
+    assert bench.degraded_links(trace, CEE6) == {("cloud", "edge"): 2.0}
+    found = bench.oracle_plan(path, static.to_dict(), CEE6, trace, tmp_path / "oracle.json")
+    oracle = Plan.from_json(tmp_path / "oracle.json")
+    assert oracle.to_dict() == found and oracle.global_batch_size == 32
+    oracle.check_matches(8, 6, profile.model_fingerprint, profile.cluster_fingerprint)
+    degraded = bench.degraded_profile(profile, CEE6, {("cloud", "edge"): 2.0})
+    # The oracle's plan is the search's best on the degraded network: the static one is slower.
+    assert oracle.predicted_step_time_s == pytest.approx(
+        predict_plan(degraded, oracle).step_time_s, rel=1e-9
+    )
+    assert predict_plan(degraded, static).step_time_s > oracle.predicted_step_time_s
+    lan = [{"at_s": 1.0, "link": ["end0", "end"], "bandwidth_mbit": 1.0}]
+    with pytest.raises(SystemExit, match="WAN bandwidth"):
+        bench.degraded_links(lan, CEE6)
+
+
+def test_the_table_gives_the_adapters_share_of_the_oracles_gain() -> None:
+    bench = _bench()
+    assert bench.oracle_share(40.0, 49.0, 50.0) == "90%"
+    assert bench.oracle_share(40.0, 38.0, 50.0) == "-20%"
+    assert bench.oracle_share(40.0, 45.0, 40.0) == "-"  # no gain to share
+    assert bench.oracle_share(None, 45.0, 50.0) == "-"
+    trace = [{"at_s": 100.0, "link": ["cloud", "edge"], "bandwidth_mbit": 10.0},
+             {"at_s": 220.0, "link": ["cloud", "edge"], "bandwidth_mbit": 100.0}]  # fmt: skip
+    plan = {"stages": [{"ranks": [0, 1]}, {"ranks": [2, 3]}], "schedule": "1f1b",
+            "num_microbatches": 4}  # fmt: skip
+    result = {
+        "config": {"topology": "configs/lab/cee6.yaml", "trace": trace, "size": "gpt5m",
+                   "global_batch": 48, "microbatches": 2, "schedule": "1f1b", "end_s": 320,
+                   "skip_s": 60, "settle": 8, "layout": "plan", "plan": plan,
+                   "oracle_plan": {**plan, "stages": [{"ranks": [0, 1]}]}},
+        "modes": {"off": {"runs": [_arm(40.0)]}, "on": {"runs": [_arm(46.0)]},
+                  "oracle": {"runs": [_arm(50.0)]}},
+    }  # fmt: skip
+    table = bench.render(result)
+    assert "plan searched for the degraded network (ranks 0,1, 1f1b with 4" in table
+    assert "| settled oracle | share |" in table
+    assert "| 40.00 | 46.00 | 1.15x | 50.00 | 60% |" in table
+    del result["modes"]["oracle"]  # no oracle arm: no oracle columns
+    assert "share" not in bench.render(result)
+
+
+def test_the_oracle_arm_runs_its_own_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _bench()
+    calls: list[list[str]] = []
+    oracle_dict = {"stages": [{"ranks": [0, 1]}], "schedule": "1f1b", "num_microbatches": 2}
+
+    def lab(topology: Path, trace: Path | None, out: Path, timeout_s: float, worker: list[str]):
+        calls.append(worker)
+        option = dict(zip(worker[::2], worker[1::2], strict=False))
+        if "--plan-out" in option:
+            static = {**_plan((0, 1), (2, 3), (4, 5)), "schedule": "1f1b", "num_microbatches": 4}
+            Path(option["--plan-out"]).write_text(json.dumps(static))
+            Path(option["--profile-cache"]).write_text("{}")
+        else:
+            Path(option["--steps-log"]).write_text("")
+        return 0
+
+    def oracle(profile: Path, plan: dict[str, Any], topo: Any, trace: Any, path: Path) -> Any:
+        path.write_text(json.dumps(oracle_dict))
+        return oracle_dict
+
+    monkeypatch.setattr(bench, "_lab", lab)
+    monkeypatch.setattr(bench, "oracle_plan", oracle)
+    argv = ["--topology", str(ROOT / "configs/lab/cee6.yaml"), "--results", str(tmp_path / "r"),
+            "--logs", str(tmp_path / "logs"), "--modes", "off,on,oracle"]  # fmt: skip
+    assert bench.harness_main(argv) == 0
+    arms = [dict(zip(c[::2], c[1::2], strict=False)) for c in calls[1:]]
+    assert [a["--adapter"] for a in arms] == ["off", "on", "off"]
+    assert arms[0]["--plan"].endswith("/plan.json") and arms[2]["--plan"].endswith(
+        "oracle_plan.json"
+    )
+    result = json.loads((tmp_path / "r" / "adapter_cee6_planned.json").read_text())
+    assert result["config"]["oracle_plan"] == oracle_dict and set(result["modes"]) == {
+        "off",
+        "on",
+        "oracle",
+    }
+    with pytest.raises(SystemExit):
+        bench.harness_main([*argv[:-1], "off,maybe"])
+
+
+def test_the_oracle_needs_the_planned_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _bench().harness_main(["--topology", "t.yaml", "--layout", "manual", "--trace", "x.yaml",
+                               "--modes", "off,oracle"])  # fmt: skip
+    assert "--modes oracle needs --layout plan" in capsys.readouterr().err
