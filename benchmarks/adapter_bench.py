@@ -398,6 +398,9 @@ def harness_main(argv: list[str]) -> int:
     )
     p.add_argument("--runs", type=int, default=1, help="runs per arm, interleaved")
     p.add_argument("--results", type=Path, default=HERE / "results")
+    p.add_argument(
+        "--name", help="results file stem (default adapter_<topology>_planned, _replan or none)"
+    )
     p.add_argument("--logs", type=Path, default=REPO / "runs" / "adapter_bench")
     p.add_argument("--report-only", action="store_true")
     p.add_argument(
@@ -426,7 +429,8 @@ def harness_main(argv: list[str]) -> int:
     name = f"adapter_{topology.name}" + (
         "_planned" if planned else "_replan" if args.profile else ""
     )
-    folder = args.logs / name
+    folder = args.logs / name  # the plan made once is the topology's, whatever the name
+    name = args.name or name
     args.results.mkdir(parents=True, exist_ok=True)
     result_path = args.results / f"{name}.json"
     result: dict[str, Any] = json.loads(result_path.read_text()) if result_path.exists() else {}

@@ -195,10 +195,12 @@ def _throughput(root: Path, doc_dir: Path) -> str:
 
 def _adapter(root: Path, doc_dir: Path) -> str:
     """The adapter's arms on every benchmark of :data:`ADAPTER`: samples/s while the link is
-    cut and on/off in every phase, median (min-max) over the runs."""
+    cut and on/off in every phase, median (min-max) over the runs; where an oracle arm ran, its
+    samples/s while cut and the adapter's share of its gain (settled medians)."""
     lines = [
-        "| benchmark | link cut | off, cut | on, cut | on/off: before | cut | after | measured |",
-        "|---|---|---|---|---|---|---|---|",
+        "| benchmark | link cut | off, cut | on, cut | oracle, cut | share "
+        "| on/off: before | cut | after | measured |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in ADAPTER:
         data = json.loads((root / _RESULTS / f"{name}.json").read_text())
@@ -227,10 +229,19 @@ def _adapter(root: Path, doc_dir: Path) -> str:
             )
         cut = cfg["trace"][0]
         _, start, end = phases[1]
+        oracle_runs = adapter_bench.mode_runs(data, "oracle")
+        share = "-"
+        if oracle_runs:
+            share = adapter_bench.oracle_share(*(
+                adapter_bench.phase_median(runs, "degraded", "settled_samples_per_s")
+                for runs in (off_runs, on_runs, oracle_runs)
+            ))  # fmt: skip
         cells = [
             f"{'-'.join(cut['link'])} at {cut['bandwidth_mbit']:g} Mbit/s, {start:g}-{end:g} s",
             spread(values(off_runs, "degraded")),
             spread(values(on_runs, "degraded")),
+            spread(values(oracle_runs, "degraded")) if oracle_runs else "-",
+            share,
             *ratios,
             f"{data['date']}, `{data['commit']}`",
         ]
