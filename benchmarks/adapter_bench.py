@@ -42,6 +42,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import time
@@ -239,7 +240,10 @@ def oracle_plan(
         global_batch_size=Plan.from_dict(plan).global_batch_size,
     )
     found.to_json(path)
-    print(f"[adapter-bench] the oracle's plan for the degraded network:\n{found.format_table()}")
+    print(
+        f"[adapter-bench] the oracle's plan for the degraded network:\n{found.format_table()}",
+        flush=True,  # before the lab runs' output
+    )
     return found.to_dict()
 
 
@@ -542,7 +546,7 @@ def render(result: dict[str, Any]) -> str:
         stages = " | ".join(",".join(str(r) for r in st["ranks"]) for st in plan["stages"])
         layout = (
             f"the planner's plan (ranks {stages}, {plan['schedule']} with "
-            f"{plan['num_microbatches']} micro-batches) made once and run by both arms"
+            f"{plan['num_microbatches']} micro-batches) made once and run by the arms off and on"
         )
     else:
         layout = f"{cfg['schedule']} with {cfg['microbatches']} micro-batches"
@@ -607,11 +611,43 @@ def render(result: dict[str, Any]) -> str:
             f"{ratio(settled_on, settled_off)} |{oracle_cells} {counts or '-'} "
             f"({', '.join(map(str, lasts))}) |"
         )
+    drop_s = phases[1][1]
+    reactions = [reactions_s(run, drop_s) for run in on_runs]
+    if any(reactions):
+        listed = "; ".join(
+            f"run {i + 1}: {', '.join(f'{s:g} s' for s in r) or 'none'}"
+            for i, r in enumerate(reactions)
+        )
+        lines += [
+            "",
+            f"Reaction of each move the adapter applied (a split or a re-plan), from the drop at "
+            f"{drop_s:g} s to the end of the first step after it: {listed}.",
+        ]
     for i, run in enumerate(on_runs):
         if run.get("decisions"):
             lines += ["", f"Adapter decisions, run {i + 1} (rank 0's console):", "", "```text",
                       *run["decisions"], "```"]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+_APPLIED = re.compile(r"step (\d+) (?:re-plan for [^:]*: applied|split-applied)")
+
+
+def reactions_s(run: dict[str, Any], drop_s: float) -> list[float]:
+    """Seconds from ``drop_s`` (the trace's drop) to the end of the first step after each split
+    or re-plan the adapter applied after it (rank 0's decisions, the steps' trace clock): the
+    reaction time of each move, the move of blocks included."""
+    records = sorted(run.get("records", []), key=lambda r: r["step"])
+    out = []
+    for decision in run.get("decisions", []):
+        found = _APPLIED.search(decision)
+        if found is None:
+            continue
+        step = int(found.group(1))
+        after = next((r for r in records if r["step"] > step), None)
+        if after is not None and after["end_s"] > drop_s:
+            out.append(round(after["end_s"] - drop_s, 1))
+    return out
 
 
 def oracle_share(off: float | None, on: float | None, oracle: float | None) -> str:

@@ -322,3 +322,23 @@ def test_the_oracle_needs_the_planned_layout(capsys: pytest.CaptureFixture[str])
         _bench().harness_main(["--topology", "t.yaml", "--layout", "manual", "--trace", "x.yaml",
                                "--modes", "off,oracle"])  # fmt: skip
     assert "--modes oracle needs --layout plan" in capsys.readouterr().err
+
+
+def test_reactions_run_from_the_drop_to_the_first_step_after_each_applied_move() -> None:
+    bench = _bench()
+    records = [{"step": s, "end_s": 100.0 + 2 * s, "wall_s": 2.0, "microbatches": 4}
+               for s in range(1, 40)]  # fmt: skip
+    run = {
+        "records": records,
+        "decisions": [
+            "DeepCEE adapter: step 2 split-applied: x2 predicted 12% faster",  # before the drop
+            "DeepCEE adapter: step 12 split-applied: x4 predicted 21% faster than x1",
+            "DeepCEE adapter: step 14 keep split of step 12: 2010 -> 1495 ms/step",
+            "DeepCEE adapter: step 20 re-plan for link(s) net1->net0: kept (no plan can gain)",
+            "DeepCEE adapter: step 30 re-plan for link(s) net0->net1, net1->net0: applied (32%)",
+            "DeepCEE adapter: step 39 re-plan for link(s) net0->net1: applied (the last step)",
+        ],
+    }
+    # The drop at 120 s; the steps after 12 and 30 end at 126 and 162 s; none after 39.
+    assert bench.reactions_s(run, 120.0) == [6.0, 42.0]
+    assert bench.reactions_s({"records": records}, 120.0) == []
