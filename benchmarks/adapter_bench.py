@@ -39,6 +39,7 @@ needs about ``window + react_after`` steps to notice a change, the baseline noth
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -183,8 +184,6 @@ def degraded_profile(profile: Any, topology: Any, changes: dict[tuple[str, str],
     region)``, names sorted -> Mbit/s) at their new rates: each pair's measured bandwidth scaled
     by how much its path's configured bottleneck moves (the path keeps its measured efficiency);
     latencies, devices and fingerprints unchanged. Rank ``r`` is the topology's device ``r``."""
-    import dataclasses
-
     wan = tuple(
         dataclasses.replace(link, mbit=changes.get(tuple(sorted(link.regions)), link.mbit))
         for link in topology.wan

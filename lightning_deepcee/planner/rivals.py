@@ -68,7 +68,7 @@ def rival_runs(plan: Plan) -> list[tuple[str, int]]:
     first (a generated one in place of ``"compact"``), then :data:`RIVAL_SCHEDULES` with half,
     the same and twice its micro-batches, each count dividing the global batch."""
     m, batch = plan.num_microbatches, plan.global_batch_size
-    counts = [c for c in (m, m // 2, 2 * m) if c >= 1 and c <= batch and batch % c == 0]
+    counts = [c for c in (m, m // 2, 2 * m) if 1 <= c <= batch and batch % c == 0]
     own = [] if plan.schedule == "compact" else [(plan.schedule, m)]
     pairs = own + [(kind, c) for c in counts for kind in RIVAL_SCHEDULES]
     return list(dict.fromkeys(pairs))

@@ -107,6 +107,14 @@ groups lies within this factor of the kept figure, each way: a WAN link that los
 third has changed."""
 
 
+def _message_sizes(bandwidth: torch.Tensor, small_bytes: int, large_bytes: int) -> list[list[int]]:
+    """Bytes of each pair's measured message: what ``bandwidth`` carries in ``_TARGET_S``,
+    within ``(small_bytes, large_bytes]``."""
+    sizes = (bandwidth * _TARGET_S).clamp(min=small_bytes + 1, max=large_bytes)
+    sized: list[list[int]] = sizes.cpu().long().tolist()
+    return sized
+
+
 def check_pairs(kept: NetworkMeasurement) -> list[tuple[int, int]]:
     """The pairs a kept measurement is checked on: the first rank of each network group (of
     its bandwidth) with the first of every later group. Links inside a group are fast and seldom
@@ -270,15 +278,12 @@ def _measure_network(
         raise ValueError(f"hosts: expected {world} names (one per rank), got {len(hosts)}")
     if kept is not None and len(kept.bandwidth_bytes_per_s) == world:
         pairs = check_pairs(kept)
-        sizes = (torch.tensor(kept.bandwidth_bytes_per_s) * _TARGET_S).clamp(
-            min=small_bytes + 1, max=large_bytes
-        )
+        sizes = _message_sizes(torch.tensor(kept.bandwidth_bytes_per_s), small_bytes, large_bytes)
         _, bandwidth = _run_rounds(
             [([pair], "checking kept figures") for pair in pairs],
             rank=rank, group=group, device=device, op_timeout_s=op_timeout_s, hosts=hosts,
             small_bytes=small_bytes, large_bytes=large_bytes, repeats=1,
-            sizes=sizes.long().tolist(), budget_s=budget_s, start=start, first_round=0,
-            total_rounds=len(pairs),
+            sizes=sizes, budget_s=budget_s, start=start, first_round=0, total_rounds=len(pairs),
         )  # fmt: skip
         if kept_agrees(kept, bandwidth.cpu().tolist(), pairs, kept_tolerance):
             return dataclasses.replace(
@@ -302,12 +307,12 @@ def _measure_network(
     stand_ins = representative_pairs(across, group_of, probe_bandwidth.cpu().tolist())
     schedule = [(pairs, "inside groups") for pairs in inside if pairs]
     schedule += [([pair], "across groups") for pair in across if pair not in stand_ins]
-    sizes = (probe_bandwidth * _TARGET_S).clamp(min=small_bytes + 1, max=large_bytes)
     latency, bandwidth = _run_rounds(
         schedule,
         rank=rank, group=group, device=device, op_timeout_s=op_timeout_s, hosts=hosts,
         small_bytes=small_bytes, large_bytes=large_bytes, repeats=repeats,
-        sizes=sizes.cpu().long().tolist(), budget_s=budget_s, start=start,
+        sizes=_message_sizes(probe_bandwidth, small_bytes, large_bytes), budget_s=budget_s,
+        start=start,
         first_round=len(rounds), total_rounds=len(rounds) + len(schedule),
     )  # fmt: skip
     for (low, high), alike in stand_ins.items():  # each way, the slowest alike reading
