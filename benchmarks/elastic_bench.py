@@ -7,8 +7,11 @@ the whole job ``DeepCEEStrategy()`` (profile, plan, run) with ``ElasticCheckpoin
 - ``off``: no checkpoints, no loss: the step time to compare with.
 - ``async@K`` / ``blocking@K``: a checkpoint every K steps, written in the background or not.
 - ``loss@K``: a checkpoint every K steps (background); device ``--kill`` is killed with SIGKILL
-  inside step ``--kill-step + 1``; nobody intervenes. Measured: seconds from the kill to the
-  first step of the restarted job, the steps redone, and the restart's set-up.
+  inside step ``--kill-step + 1``; nobody intervenes: the survivors recover in their processes
+  (``recover_in_process``, the default). Measured: seconds from the kill to the end of the
+  first step after it, the steps redone, and the recovery's phases.
+- ``restart@K``: the same loss under ``recover_in_process=False``: torchrun's agents restart the
+  whole job on the survivors, which resumes from the newest checkpoint.
 
 Step time is the median wall time between consecutive steps of rank 0 after ``--warmup`` steps
 (steps across a restart excluded). Arms run interleaved, ``--runs`` times, in one invocation.
@@ -57,11 +60,13 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--plan", help="run this saved plan (DeepCEEStrategy(plan=...))")
     p.add_argument("--profile-cache", help="DeepCEEStrategy(profile_cache=...)")
     p.add_argument("--plan-out", type=Path, help="write the planner's plan here at the start")
+    p.add_argument("--restart", action="store_true", help="recover_in_process=False")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
     class Recorder(Callback):
         start = 0  # the job's starts before this one (each restart of the worker group adds one)
+        reported = False  # the in-process recovery's record is in steps.jsonl
 
         def on_fit_start(self, trainer: pl.Trainer, *rest: Any) -> None:
             starts = args.out / "starts.txt"
@@ -86,6 +91,9 @@ def worker_main(argv: list[str]) -> None:
             if trainer.is_global_zero:
                 row = dict(step=trainer.global_step, world=trainer.world_size, start=self.start,
                            t=round(_clock(), 3))  # fmt: skip
+                recovery = trainer.strategy.recovery  # type: ignore[attr-defined]
+                if recovery.last is not None and not self.reported:
+                    row["recovery"], self.reported = recovery.last, True
                 with (args.out / "steps.jsonl").open("a") as f:
                     f.write(json.dumps(row) + "\n")
 
@@ -105,6 +113,7 @@ def worker_main(argv: list[str]) -> None:
             profile_cache=args.profile_cache,
             profile_budget_s=args.profile_budget_s,
             async_checkpoint=not args.blocking,
+            recover_in_process=not args.restart,
         ),
         max_steps=args.steps,
         limit_val_batches=0,
@@ -142,19 +151,31 @@ def step_figures(rows: list[dict[str, Any]], warmup: int) -> dict[str, float | N
 
 
 def loss_figures(rows: list[dict[str, Any]], killed_at: float | None) -> dict[str, Any]:
-    """Kill -> first step after it, steps redone, and the world before and after."""
-    before = [r for r in rows if r["start"] == 0]
-    after = [r for r in rows if r["start"] > 0]
-    if killed_at is None or not before or not after:
+    """Kill -> first step after it, steps redone, the world before and after, and how: a
+    restart of the job, or recovery in the survivors' processes (with its phases)."""
+    if killed_at is None:
         return {}
-    last_done = before[-1]["step"]
-    return {
-        "kill_to_first_step_s": round(after[0]["t"] - killed_at, 2),
-        "steps_redone": last_done - (after[0]["step"] - 1),
+    before = [r for r in rows if r["start"] == 0 and r["t"] < killed_at]
+    after = [r for r in rows if r["t"] > killed_at]
+    if not before or not after:
+        return {}
+    first, last_done = after[0], before[-1]["step"]
+    recovery = first.get("recovery")
+    figures = {
+        "kill_to_first_step_s": round(first["t"] - killed_at, 2),
+        "steps_redone": recovery["steps_redone"] if recovery else last_done - (first["step"] - 1),
         "world_before": before[-1]["world"],
-        "world_after": after[0]["world"],
+        "world_after": first["world"],
         "restarts": max(r["start"] for r in rows),
     }
+    if recovery:
+        figures["recovery"] = recovery
+    return figures
+
+
+_LOSS_ARMS = ("loss", "restart")
+LINGER_S = 30.0
+"""Devices still running this long after the last step are ended (torchrun's exit barrier)."""
 
 
 def shared_plan(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -173,7 +194,8 @@ def shared_plan(args: argparse.Namespace) -> tuple[Path, Path]:
 def run_arm(
     args: argparse.Namespace, arm: str, run: int, extra: list[str] | None = None
 ) -> dict[str, Any]:
-    """One lab run of ``arm`` (``plan``, ``off``, ``async@K``, ``blocking@K``, ``loss@K``);
+    """One lab run of ``arm`` (``plan``, ``off``, ``async@K``, ``blocking@K``, ``loss@K``,
+    ``restart@K``);
     ``extra`` goes to the worker (the shared plan)."""
     from lightning_deepcee.lab.network import LabNetwork
     from lightning_deepcee.lab.runner import LabControl, RunConfig, run_command
@@ -188,16 +210,24 @@ def run_arm(
               "--profile-budget-s", str(args.profile_budget_s), *(extra or [])]  # fmt: skip
     if kind == "blocking":
         worker.append("--blocking")
-    if kind == "loss":
+    if kind in ("loss", "restart"):
         worker += ["--kill", args.kill, "--kill-step", str(args.kill_step)]
+    if kind == "restart":
+        worker.append("--restart")
     topology = load_topology(args.topology)
     n = len(topology.devices)
     killed: dict[str, float] = {}
 
     def control(lab: LabControl) -> None:
-        if kind == "loss" and not killed and (work / "in_step").is_file():
+        if kind in ("loss", "restart") and not killed and (work / "in_step").is_file():
             lab.kill(args.kill)
             killed["at"] = lab.elapsed_s
+        # After a recovery torchrun's agents wait 300 s at exit for the lost device's agent.
+        rows = _rows(work / "steps.jsonl") if killed else []
+        if rows and rows[-1]["step"] >= steps and lab.elapsed_s - rows[-1]["t"] > LINGER_S:
+            for device in topology.devices:
+                if lab.running(device.name):
+                    lab.kill(device.name)
 
     config = RunConfig(
         command=tuple(worker_job(__file__, *worker)),
@@ -237,8 +267,8 @@ def render(result: dict[str, Any]) -> str:
         _plan_sentence(result),
         "",
         "| arm | step s (median) | vs off | step s (mean) | vs off | kill -> first step s "
-        "| steps redone | world |",
-        "|---|---|---|---|---|---|---|---|",
+        "| steps redone | world | how |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     base = _median(result["arms"].get("off", []), "step_s")
     base_mean = _median(result["arms"].get("off", []), "step_mean_s")
@@ -251,12 +281,49 @@ def render(result: dict[str, Any]) -> str:
         worlds = {
             f"{r.get('world_before')}->{r.get('world_after')}" for r in runs if "world_after" in r
         }
+        how = {
+            "in process" if r.get("recovery") else f"{r['restarts']} restart(s)"
+            for r in runs
+            if "restarts" in r
+        }
         lines.append(
             f"| {arm} | {_fmt(step, 3)} | {ratio} | {_fmt(mean, 3)} | {ratio_mean} | "
             f"{_fmt(kill, 1)} | {_fmt(redone, 0)} | "
-            f"{', '.join(sorted(worlds)) or '-'} |"
+            f"{', '.join(sorted(worlds)) or '-'} | {', '.join(sorted(how)) or '-'} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _phase_lines(result)) + "\n"
+
+
+RECOVERY_PHASES = {
+    "named": "loss named and agreed",
+    "regroup": "group re-formed",
+    "plan": "planned",
+    "load": "checkpoint loaded",
+    "redo": "steps redone",
+    "step": "the failed step",
+}
+"""The phases of an in-process recovery (``InProcessRecovery.last``), from the failed step's
+start on the survivors' rank 0."""
+
+
+def _phase_lines(result: dict[str, Any]) -> list[str]:
+    """Where the in-process recoveries' seconds went, per arm (medians over runs)."""
+    rows = []
+    for arm, runs in result["arms"].items():
+        records = [r["recovery"] for r in runs if r.get("recovery")]
+        if records:
+            cells = [_fmt(_median(records, phase), 1) for phase in RECOVERY_PHASES]
+            rows.append(f"| {arm} | {' | '.join(cells)} | {_fmt(_median(records, 'seconds'), 1)} |")
+    if not rows:
+        return []
+    return [
+        "",
+        "In-process recoveries, seconds from the start of the step that failed (rank 0, medians):",
+        "",
+        "| arm | " + " | ".join(RECOVERY_PHASES.values()) + " | in all |",
+        "|---" * (len(RECOVERY_PHASES) + 2) + "|",
+        *rows,
+    ]
 
 
 def _plan_sentence(result: dict[str, Any]) -> str:
@@ -272,7 +339,7 @@ def _plan_sentence(result: dict[str, Any]) -> str:
         f"`off`, `async` and `blocking` ran one plan, made once by a planning run and saved "
         f"({len(plan['stages'])} stages, ranks {stages}; {plan['schedule']}, "
         f"{plan['num_microbatches']} micro-batches), so they differ only by checkpoints. "
-        "`loss` arms profile and plan at every start, as an elastic job does."
+        "`loss` and `restart` arms profile and plan at every start, as an elastic job does."
     )
 
 
@@ -313,10 +380,12 @@ def harness_main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--intervals", default="5,10", help="checkpoint intervals (steps)")
-    p.add_argument("--kill", default="edge0", help="the device lost in the loss@K arms")
+    p.add_argument("--kill", default="edge0", help="the device lost in the loss and restart arms")
     p.add_argument("--kill-step", type=int, default=17)
     p.add_argument("--runs", type=int, default=1)
-    p.add_argument("--arms", default="off,async,blocking,loss", help="which kinds of arm to run")
+    p.add_argument(
+        "--arms", default="off,async,blocking,loss", help="which kinds of arm to run (and restart)"
+    )
     p.add_argument("--profile-budget-s", type=float, default=300.0)
     p.add_argument("--run-timeout-s", type=float, default=1500.0)
     p.add_argument(
@@ -340,6 +409,7 @@ def harness_main(argv: list[str]) -> int:
     arms += [f"async@{first}"] if "async" in kinds else []
     arms += [f"blocking@{first}"] if "blocking" in kinds else []
     arms += [f"loss@{k}" for k in intervals] if "loss" in kinds else []
+    arms += [f"restart@{k}" for k in intervals] if "restart" in kinds else []
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     result: dict[str, Any] = dict(
         config=config, date=time.strftime("%Y-%m-%d"), commit=_git_commit(),
@@ -348,13 +418,13 @@ def harness_main(argv: list[str]) -> int:
     args.results.mkdir(parents=True, exist_ok=True)
     path = args.results / f"{args.name}.json"
     shared: list[str] = []
-    if any(not arm.startswith("loss") for arm in arms):
+    if any(not arm.startswith(_LOSS_ARMS) for arm in arms):
         plan, profile = shared_plan(args)
         shared = ["--plan", str(plan), "--profile-cache", str(profile)]
         result["plan"] = json.loads(plan.read_text())
     for run in range(args.runs):
         for arm in arms:
-            extra = [] if arm.startswith("loss") else shared
+            extra = [] if arm.startswith(_LOSS_ARMS) else shared
             result["arms"][arm].append(run_arm(args, arm, run, extra))
             write_json(path, result)
     table = render(result)

@@ -91,6 +91,7 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self._after_commit: list[Callable[[], None]] = []
         self._lock = threading.Lock()
+        self._abandoned = threading.Event()
         self.records: list[SaveRecord] = []
 
     @property
@@ -107,7 +108,13 @@ class CheckpointWriter:
         record = SaveRecord(target)
         name = f"ckpt/{self.name}/{next(self._saves)}"
         self._thread = start_thread(
-            self._run, target, write, name, record, name=f"deepcee-checkpoint-{self.rank}"
+            self._run,
+            target,
+            write,
+            name,
+            record,
+            name=f"deepcee-checkpoint-{self.rank}",
+            stop=self._abandoned.set,
         )
         if not self.asynchronous:
             self.wait()
@@ -138,9 +145,15 @@ class CheckpointWriter:
             raise RuntimeError(f"DeepCEE: a checkpoint save failed: {error}") from error
         return True
 
+    def abandon(self) -> None:
+        """Give up the save in flight: its group lost a rank (the previous checkpoint stays
+        the newest complete one); the writer thread ends at its next wait."""
+        self._abandoned.set()
+
     def _meet(self, name: str) -> None:
         if self.store is not None and self.world_size > 1:
-            wait_for_ranks(self.store, self.rank, self.world_size, name)
+            stop = self._abandoned.is_set
+            wait_for_ranks(self.store, self.rank, self.world_size, name, stop=stop)
 
     def _run(
         self, target: Path, write: Callable[[Path], None], name: str, record: SaveRecord

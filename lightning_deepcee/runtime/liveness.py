@@ -227,6 +227,7 @@ def wait_for_ranks(
     limit_s: float = 1800.0,
     poll_s: float = 0.2,
     on_arrival: Callable[[int, float], None] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> None:
     """Count ``rank`` in at ``name`` and block until all ``world_size`` ranks are in.
 
@@ -237,7 +238,8 @@ def wait_for_ranks(
     that runs no heartbeat (its counter stays 0) is waited for up to ``limit_s``. Every rank must
     call this with the same ``name``, once. ``on_arrival(rank, seconds)``, when given, is told
     of each rank as this one sees it arrive (about once a second; the last ones at the end),
-    with the seconds since this rank arrived: progress for a console.
+    with the seconds since this rank arrived: progress for a console. ``stop()`` returning
+    True gives up (``RuntimeError``): the group waited in no longer exists.
     """
     key = f"{_prefix()}/arrive/{name}"
     store.set(f"{key}/{rank}", "1")
@@ -255,6 +257,8 @@ def wait_for_ranks(
 
     while int(store.add(key, 0)) < world_size:
         time.sleep(poll_s)
+        if stop is not None and stop():
+            raise RuntimeError(f"waiting at {name!r}: given up (the group was re-formed)")
         now = time.monotonic()
         if now - last_check < 1.0:
             continue

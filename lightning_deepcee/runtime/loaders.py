@@ -192,9 +192,13 @@ def _rows(batch: Any) -> int:
         return 0
 
 
-def real_batch(train_loaders: Any, batch: Any, idle: bool, to_device: Callable[[Any], Any]) -> Any:
+def real_batch(
+    train_loaders: Any, batch: Any, idle: bool, to_device: Callable[[Any], Any]
+) -> tuple[Any, Callable[[], Any] | None]:
     """The batch a training step runs on: ``batch``, or, when it is a stand-in and the rank is
-    active now (a re-plan brought it in), the real batch, read here and moved by ``to_device``.
+    active now (a re-plan brought it in), the real batch, read here and moved by ``to_device``;
+    and, when the step runs on a stand-in (the rank is idle), what reads its real batch later
+    (a replay after a lost device may make the rank active), else ``None``.
 
     ``train_loaders`` is ``trainer.train_dataloader`` (one loader, or a collection of them).
     Call once per training step: it takes the step's record from every :class:`TrainLoader`.
@@ -205,16 +209,29 @@ def real_batch(train_loaders: Any, batch: Any, idle: bool, to_device: Callable[[
     """
     loaders = [leaf for leaf in _leaves(train_loaders) if isinstance(leaf, TrainLoader)]
     stood = [(loader, indices) for loader in loaders if (indices := loader.take()) is not None]
-    if idle or not stood:
-        return batch
+    if not stood:
+        return batch, None
     if len(loaders) != 1:
+        if idle:
+            return batch, _cannot_reread(len(loaders))
+        _cannot_reread(len(loaders))()
+    loader, indices = stood[0]
+
+    def reread() -> Any:
+        return to_device(loader.read(indices))
+
+    return (batch, reread) if idle else (reread(), None)
+
+
+def _cannot_reread(count: int) -> Callable[[], Any]:
+    def fail() -> Any:
         raise RuntimeError(
             "DeepCEE: a re-plan made this idle rank active while it stood in for the batches of "
-            f"{len(loaders)} train dataloaders, whose combined batch cannot be read here. Train "
+            f"{count} train dataloaders, whose combined batch cannot be read here. Train "
             "from one dataloader, or re-plan at an epoch boundary."
         )
-    loader, indices = stood[0]
-    return to_device(loader.read(indices))
+
+    return fail
 
 
 def _leaves(iterables: Any) -> list[Any]:

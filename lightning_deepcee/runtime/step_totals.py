@@ -44,6 +44,12 @@ class StepTotals:
             self.names = sorted({n for part in gathered for n in part or []})
         return self.names
 
+    def release_group(self) -> None:
+        """Drop the sum's process group (the process group is being re-formed). The next
+        step agrees on the names again, so that every rank makes the new group at the same
+        point (after its schedule), and posts then."""
+        self._group, self.names = None, None
+
     def post(
         self,
         loss: torch.Tensor | None,

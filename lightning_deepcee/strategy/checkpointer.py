@@ -172,6 +172,13 @@ class ShardedCheckpointer:
                 lambda: shutil.rmtree(directory, ignore_errors=True)
             )
 
+    def regrouped(self) -> None:
+        """The process group was re-formed without a lost rank: a save in flight cannot commit
+        (the previous checkpoint stays the newest complete one); later saves use a new writer."""
+        if self._writer is not None:
+            self._writer.abandon()
+        self._writer = None
+
     def wait(self, timeout_s: float | None = None) -> None:
         """Until the save in flight (if any) has committed."""
         if self._writer is not None:

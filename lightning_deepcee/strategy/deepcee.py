@@ -14,8 +14,8 @@ optimizer then steps once per batch, after every W of the step: exact synchronou
 same update a single device computes on the whole batch.
 
 The class holds Lightning's hooks only and delegates to parts that own their state (this
-module's imports from ``strategy/``): the stage part, the checkpointer, the step log and the
-failure naming; the set-up steps (profile, plan, build, trial) are functions.
+module's imports from ``strategy/``): the stage part, the checkpointer, the step log, the failure
+naming, the recovery; the set-up steps (profile, plan, build, trial) are functions.
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ from lightning_deepcee.planner.compression import allowed_methods
 from lightning_deepcee.profiler import ClusterProfile, DeviceGroups
 from lightning_deepcee.runtime import PipelineSpec, Stage
 from lightning_deepcee.runtime.executor import StepStats
-from lightning_deepcee.runtime.executors import call_with_output
-from lightning_deepcee.runtime.liveness import agree_group_token
+from lightning_deepcee.runtime.liveness import DeviceLostError, agree_group_token
 from lightning_deepcee.runtime.loaders import real_batch
 from lightning_deepcee.runtime.manual_layout import ManualLayout
 from lightning_deepcee.runtime.transport import TransferRecord
@@ -64,6 +63,7 @@ from lightning_deepcee.strategy.placement import Placement
 from lightning_deepcee.strategy.plan_checks import check_replacement, running_plan
 from lightning_deepcee.strategy.plan_trial import trial_plans
 from lightning_deepcee.strategy.precision import wrap_precision
+from lightning_deepcee.strategy.recovery import InProcessRecovery
 from lightning_deepcee.strategy.reporting import (
     SetupTimer,
     check_versions,
@@ -144,6 +144,8 @@ class DeepCEEStrategy(DDPStrategy):
         compression: what the automatic plan may do to the float32 tensors crossing a pipeline
             hop in training: ``"off"`` (exact), ``"auto"`` (``bf16`` or ``tah8`` per hop where
             the link makes it pay) or method names, e.g. ``["tah8"]`` (docs/compression.md).
+        recover_in_process: a lost device's survivors re-plan, load the newest checkpoint and
+            redo the steps since in their processes (``recovery.py``); ``False``: restart.
     """
 
     strategy_name = "deepcee"
@@ -170,6 +172,7 @@ class DeepCEEStrategy(DDPStrategy):
         device_gain: float = DEVICE_GAIN,
         plan_trial: int = 4,
         compression: str | Sequence[str] = "off",
+        recover_in_process: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -224,12 +227,13 @@ class DeepCEEStrategy(DDPStrategy):
         """Sharded checkpoint saves and loads, and the records that make restarts visible."""
         self.step_log = StepLog()
         """Runs and logs each step; keeps the last step's sample and token counts."""
-        self._failures = FailureNaming()
+        self.recovery = InProcessRecovery(recover_in_process, timeout_s=timeout_s)
+        self.failures = FailureNaming()
+        """This rank's heartbeat, the devices' names, and the naming of failed steps."""
         self._gc = GcFreeze()
         self._pending_grads: list[torch.Tensor | None] | None = None
         """The last training step's gradients, kept aside until :meth:`backward`."""
         self._global_batch_size = 0
-        self._hosts: list[str] = []
 
     # ----------------------------------------------------------------- the running layout
     @property
@@ -314,8 +318,7 @@ class DeepCEEStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         """Form the process group with ``START_TIMEOUT_S`` for the devices to arrive, then run it
         with the strategy's own timeout (``timeout_s``)."""
-        running = self._timeout
-        start = timedelta(seconds=START_TIMEOUT_S)
+        running, start = self._timeout, timedelta(seconds=START_TIMEOUT_S)
         self._timeout = start if running is None else max(running, start)
         try:
             super().setup_distributed()
@@ -331,8 +334,7 @@ class DeepCEEStrategy(DDPStrategy):
             agree_group_token()  # before any heartbeat: the keys of this start of the job
         module = self.lightning_module
         check_same_checkpoint(module._trainer if module is not None else None, self.world_size)
-        self._hosts = check_versions(self.world_size)
-        self._failures.start(self.global_rank, self.world_size, self._hosts)
+        self.failures.start(self.global_rank, self.world_size, check_versions(self.world_size))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -424,10 +426,10 @@ class DeepCEEStrategy(DDPStrategy):
     def apply_plan(self, plan: Plan, trainer: pl.Trainer, why: str = "re-planned") -> None:
         """Switch to ``plan`` between two steps: move blocks, with their optimizer state, live.
 
-        Every rank calls it together, at a step boundary (a callback's ``on_train_batch_end`` or
-        ``on_train_start``); it must finish within ``timeout_s``. Exact: the next step computes
-        the same whole-batch gradient under any layout. ``why`` opens rank 0's log line. How:
-        :func:`~lightning_deepcee.strategy.layout_build.relayout_from`.
+        Every rank calls it together, at a step boundary (``on_train_batch_end`` or
+        ``on_train_start``), within ``timeout_s``. Exact: the next step computes the same
+        whole-batch gradient under any layout (:func:`.layout_build.relayout_from`); ``why``
+        opens rank 0's log line.
         """
         assert self.plan is not None
         relayout_from(self, self.plan, lambda: live_shard(self), plan, trainer, why)
@@ -451,20 +453,21 @@ class DeepCEEStrategy(DDPStrategy):
     ) -> None:
         if storage_options is not None:
             raise TypeError("DeepCEEStrategy.save_checkpoint does not take storage_options.")
+        self.recovery.note_save(int(checkpoint.get("global_step", 0)))
         self.checkpointer.save(
             checkpoint,
             Path(filepath),
             self.stage_part,
             self.optimizers,
             world_size=self.world_size,
-            hosts=self._hosts,
+            hosts=self.failures.hosts,
             trainer=self._trainer(),
         )
 
     @override
     def load_checkpoint(self, checkpoint_path: PATH, weights_only: bool | None = None) -> dict:
         return self.checkpointer.load(
-            Path(checkpoint_path), self.stage_part, self.optimizers, hosts=self._hosts
+            Path(checkpoint_path), self.stage_part, self.optimizers, hosts=self.failures.hosts
         )
 
     @override
@@ -481,28 +484,32 @@ class DeepCEEStrategy(DDPStrategy):
         """One step of ``kind`` run and logged (:class:`StepLog`)."""
         module = self.lightning_module
         assert module is not None
-        return self.step_log.run(
-            self.stage_part,
-            kind,
-            batch,
-            prefix,
-            module=module,
-            rank=self.global_rank,
-            device=self.root_device,
-        )
+        part, rank, device = self.stage_part, self.global_rank, self.root_device
+        return self.step_log.run(part, kind, batch, prefix, module=module, rank=rank, device=device)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        trainer = self._trainer()
+        assert trainer is not None
+        loaders, idle = trainer.train_dataloader, self.is_idle
+        batch, reread = real_batch(
+            loaders, args[0] if args else kwargs["batch"], idle, self.batch_to_device
+        )
+        self.recovery.note_step(trainer.global_step, batch, reread)
+        try:
+            return self.pipeline_step(batch)
+        except DeviceLostError as error:  # the survivors go on in this process, or raise
+            return self.recovery.recover(self, trainer, error)
+
+    def pipeline_step(self, batch: Any, *, log: bool = True) -> torch.Tensor:
+        """One training step's forward and backward on ``batch`` through the pipeline (logged
+        unless ``log`` is False); the gradients wait aside for :meth:`backward`."""
         # With accumulate_grad_batches > 1 the parameters hold the earlier batches' sum: set it
         # aside so the schedule's gradients are this batch's alone, and put it back below.
         held = self.stage_part.set_aside_gradients()
         start = time.perf_counter()
-        batch = args[0] if args else kwargs["batch"]
-        trainer = self._trainer()
-        if trainer is not None:  # a stand-in, on a rank a re-plan has just made active
-            batch = real_batch(trainer.train_dataloader, batch, self.is_idle, self.batch_to_device)
-        with self._failures.named(self.where.stages):
-            loss = self._run("train", batch, "train")
+        with self.failures.named(self.where.stages):
+            loss = self._run("train", batch, "train" if log else "")
             synced = self.stage_part.sync_copies()  # 0 when no copy lives elsewhere
         # Lightning zeroes gradients between training_step and backward: keep them aside.
         self._pending_grads = self.stage_part.swap_gradients(held)
@@ -522,12 +529,14 @@ class DeepCEEStrategy(DDPStrategy):
         """Leave a failure record beside the checkpoints for the run that resumes."""
         super().on_exception(exception)
         self.checkpointer.record_failure(
-            exception, self._trainer(), rank=self.global_rank, hosts=self._hosts
+            exception, self._trainer(), rank=self.global_rank, hosts=self.failures.hosts
         )
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        if (trainer := self._trainer()) is not None:
+            self.recovery.start(self, trainer, self.world_size)
         if self.freeze_gc:
             self._gc.freeze(self.verbose)
 
@@ -540,7 +549,7 @@ class DeepCEEStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._gc.unfreeze()
-        self._failures.stop()
+        self.failures.stop()
         super().teardown()
 
     @override
@@ -550,47 +559,38 @@ class DeepCEEStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        # Lightning divides the loss by accumulate_grad_batches before backward: the gradients
-        # computed in training_step are divided the same way, then summed over the batches.
+        # The loss is divided by accumulate_grad_batches: the gradients too, then summed.
         if self._pending_grads is not None:
-            accumulate = module.trainer.accumulate_grad_batches
-            self.stage_part.add_gradients(self._pending_grads, accumulate)
+            self.stage_part.add_gradients(
+                self._pending_grads, module.trainer.accumulate_grad_batches
+            )
             self._pending_grads = None
         return self.precision_plugin.post_backward(closure_loss, module)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with torch.no_grad(), self._failures.named(self.where.stages):
+        with torch.no_grad(), self.failures.named(self.where.stages):
             return self._run("eval", args[0] if args else kwargs["batch"], "val")
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with torch.no_grad(), self._failures.named(self.where.stages):
+        with torch.no_grad(), self.failures.named(self.where.stages):
             return self._run("eval", args[0] if args else kwargs["batch"], "test")
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's own ``predict_step``, with the pipeline's output for the batch standing
         in for ``forward``; every rank returns it (``trainer.predict`` gives rank 0's)."""
-        module, spec = self.lightning_module, self.spec
-        assert module is not None and spec is not None
-        batch = args[0] if args else kwargs["batch"]
-        with (
-            torch.no_grad(),
-            self._failures.named(self.where.stages),
-        ):
-            self.stage_part.run("predict", batch)
-            output = self.stage_part.gathered_output(self.world_size)
-        return call_with_output(
-            module, output, batch, spec.input_fn, module.predict_step, *args, **kwargs
-        )
+        module = self.lightning_module
+        assert module is not None
+        with torch.no_grad(), self.failures.named(self.where.stages):
+            output = self.step_log.predict(self.stage_part, args[0] if args else kwargs["batch"])
+        return self.step_log.call_predict(self.stage_part, module, output, *args, **kwargs)
 
     @property
     @override
     def handles_gradient_accumulation(self) -> bool:
-        # Lightning accumulates (accumulate_grad_batches): zero_grad and the optimizer step only
-        # every k batches; training_step and backward keep the sum (see there).
-        return False
+        return False  # Lightning steps every k batches; training_step and backward keep the sum
 
     @classmethod
     @override

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 from lightning_deepcee.runtime.liveness import (
     Heartbeat,
+    agree_group_token,
     default_store,
     explain_failure,
     is_communication_failure,
@@ -36,6 +37,11 @@ class FailureNaming:
         self._rank, self._world_size = 0, 1
         self._hosts: list[str] = []
 
+    @property
+    def hosts(self) -> list[str]:
+        """Each rank's device name (host), in rank order."""
+        return self._hosts
+
     def start(self, rank: int, world_size: int, hosts: list[str]) -> None:
         """Beat in the default store (several ranks only); ``hosts`` name each rank's device."""
         self._rank, self._world_size, self._hosts = rank, world_size, hosts
@@ -43,6 +49,12 @@ class FailureNaming:
         store = default_store()
         if store is not None and world_size > 1:
             self._heartbeat = Heartbeat(store, rank, interval_s=HEARTBEAT_S).start()
+
+    def regrouped(self, members: list[int], rank: int) -> None:
+        """The process group was re-formed of ``members`` (old ranks; this rank is now ``rank``
+        of ``len(members)``): keys of the new group, and a heartbeat under them."""
+        agree_group_token()
+        self.start(rank, len(members), [self._hosts[m] for m in members])
 
     def stop(self) -> None:
         if self._heartbeat is not None:

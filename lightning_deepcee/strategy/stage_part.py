@@ -217,6 +217,13 @@ class PipelineStagePart:
             self.num_microbatches = num_microbatches
             self._build_executors()
 
+    def release_groups(self) -> None:
+        """Drop every reference to this layout's process groups and executors (a lost device:
+        the groups are destroyed next, and a group's sockets close only once nothing holds
+        it); :meth:`build` makes new ones."""
+        self._executors, self._grad_buckets = None, None
+        self._stage_group, self._tie_groups = None, []
+
     def restore_blocks(self) -> None:
         """Put every original block back into the module (undo ``build_stage``)."""
         module, spec = self._module, self.spec

@@ -15,8 +15,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 
 from lightning_deepcee.runtime import batch_size_of
+from lightning_deepcee.runtime.executors import call_with_output
 from lightning_deepcee.runtime.step_totals import StepTotals
 from lightning_deepcee.strategy.stage_part import PipelineStagePart
 
@@ -33,6 +35,30 @@ class StepLog:
         self.tokens: int | None = None
         """Tokens of the last step (``PipelineSpec.tokens_fn``), ``None`` without one."""
 
+    def predict(self, part: PipelineStagePart, batch: Any) -> Any:
+        """The pipeline's output for ``batch``, on every rank (``trainer.predict``)."""
+        part.run("predict", batch)
+        return part.gathered_output(dist.get_world_size() if dist.is_initialized() else 1)
+
+    def call_predict(
+        self,
+        part: PipelineStagePart,
+        module: pl.LightningModule,
+        output: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """The module's ``predict_step`` with ``output`` standing in for its ``forward``."""
+        assert part.spec is not None
+        batch = args[0] if args else kwargs["batch"]
+        return call_with_output(
+            module, output, batch, part.spec.input_fn, module.predict_step, *args, **kwargs
+        )
+
+    def release_group(self) -> None:
+        """Drop the step sums' process group (the process group is being re-formed)."""
+        self.totals.release_group()
+
     def run(
         self,
         part: PipelineStagePart,
@@ -46,8 +72,8 @@ class StepLog:
     ) -> torch.Tensor:
         """Run one step of ``kind`` (``"train"`` or ``"eval"``) on ``batch``; log and return the
         whole batch's loss on every rank, as ``<prefix>_loss`` and ``<prefix>_<name>`` (so
-        whichever rank writes the logs has them). An idle rank computes nothing and adds
-        zeros."""
+        whichever rank writes the logs has them; an empty ``prefix`` logs nothing: a replayed
+        step). An idle rank computes nothing and adds zeros."""
         assert part.spec is not None
         tokens_fn, where = part.spec.tokens_fn, part.where
         # Tokens from each replica's first device (an idle rank's batch is a stand-in).
@@ -72,6 +98,8 @@ class StepLog:
         assert totals.names is not None
         training = prefix == "train"
         value = summed[0].float()
+        if not prefix:
+            return value
         module.log(f"{prefix}_loss", value, prog_bar=True, on_step=training, on_epoch=True)
         for name, metric in zip(totals.names, summed[2:].float(), strict=True):
             module.log(f"{prefix}_{name}", metric, on_step=training, on_epoch=True)

@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,50 @@ def torchrun(
                 p.wait()
     for node, (p, text) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"node {node}:\n{text[-8000:]}"
+    return outputs
+
+
+def torchrun_until(
+    worker: Path,
+    *args: str | Path,
+    world: int,
+    out: Path,
+    done: Callable[[], bool],
+    timeout: float = 600.0,
+    grace_s: float = 20.0,
+) -> list[str]:
+    """One torchrun per rank (each its own node), ended ``grace_s`` after ``done()`` holds: a
+    test that kills a device leaves the other agents waiting 300 s at exit for the dead node's
+    agent. Returns each launch's output (``out/node<n>.log``); fails if ``done()`` never holds
+    within ``timeout``."""
+    port = free_port()
+    procs, logs = [], []
+    for node in range(world):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nnodes={world}",
+            "--nproc_per_node=1", f"--node_rank={node}", "--master_addr=127.0.0.1",
+            f"--master_port={port}", str(worker), *map(str, args),
+        ]  # fmt: skip
+        log = (out / f"node{node}.log").open("w")
+        logs.append(log)
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=worker_env()))
+    deadline = time.monotonic() + timeout
+    try:
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        finished = done()
+        end = time.monotonic() + grace_s
+        while any(p.poll() is None for p in procs) and time.monotonic() < end:
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    outputs = [(out / f"node{node}.log").read_text(errors="replace") for node in range(world)]
+    assert finished, "not done within the timeout:\n" + "\n".join(o[-4000:] for o in outputs)
     return outputs
 
 

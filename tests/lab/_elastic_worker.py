@@ -73,7 +73,9 @@ def main() -> None:
         accelerator="cpu",
         devices=1,
         num_nodes=int(os.environ.get("WORLD_SIZE", "1")),
-        strategy=DeepCEEStrategy(timeout_s=TIMEOUT_S),
+        # The restart path: the survivors stop, naming the lost device, and a new run resumes
+        # (recovery in the survivors' processes: tests/multiprocess/test_recover_in_process.py).
+        strategy=DeepCEEStrategy(timeout_s=TIMEOUT_S, recover_in_process=False),
         max_epochs=EPOCHS,
         limit_val_batches=0,
         logger=False,

@@ -51,6 +51,25 @@ def test_loss_figures() -> None:
     assert _bench().loss_figures(ROWS, killed_at=None) == {}
 
 
+def test_loss_figures_of_a_recovery_in_process() -> None:
+    """No restart: the steps go on in the same start; the failed step's row carries the
+    recovery's record (steps redone, phases)."""
+    record = {"lost": ["edge0"], "steps_redone": 3, "seconds": 9.0, "named": 4.0, "redo": 3.0}
+    rows = [_row(s, float(s)) for s in range(1, 9)] + [
+        {**_row(9, 19.5, world=5), "recovery": record},
+        _row(10, 20.5, world=5),
+    ]
+    figures = _bench().loss_figures(rows, killed_at=8.5)
+    assert figures == {
+        "kill_to_first_step_s": 11.0,  # the end of step 9, the one that failed
+        "steps_redone": 3,
+        "world_before": 6,
+        "world_after": 5,
+        "restarts": 0,
+        "recovery": record,
+    }
+
+
 def test_render_compares_with_the_run_without_checkpoints() -> None:
     result = {
         "config": {"topology": "configs/lab/cee6.yaml", "size": "gpt5m", "global_batch": 48,
@@ -61,13 +80,22 @@ def test_render_compares_with_the_run_without_checkpoints() -> None:
         "arms": {
             "off": [{"step_s": 1.0, "step_mean_s": 1.0}],
             "async@5": [{"step_s": 1.05, "step_mean_s": 1.2}],
-            "loss@5": [{"step_s": 1.0, "step_mean_s": 1.0, "kill_to_first_step_s": 61.0,
-                        "steps_redone": 2, "world_before": 6, "world_after": 5}],
+            "loss@5": [{"step_s": 1.0, "step_mean_s": 1.0, "kill_to_first_step_s": 11.0,
+                        "steps_redone": 2, "world_before": 6, "world_after": 5, "restarts": 0,
+                        "recovery": {"seconds": 9.5, "named": 4.0, "regroup": 0.5, "plan": 1.0,
+                                     "load": 1.0, "redo": 2.0, "step": 1.0}}],
+            "restart@5": [{"step_s": 1.0, "step_mean_s": 1.0, "kill_to_first_step_s": 61.0,
+                           "steps_redone": 2, "world_before": 6, "world_after": 5,
+                           "restarts": 1}],
         },
     }  # fmt: skip
     table = _bench().render(result)
-    assert "| async@5 | 1.050 | +5.0% | 1.200 | +20.0% | - | - | - |" in table
-    assert "| loss@5 | 1.000 | +0.0% | 1.000 | +0.0% | 61.0 | 2 | 6->5 |" in table
+    assert "| async@5 | 1.050 | +5.0% | 1.200 | +20.0% | - | - | - | - |" in table
+    assert "| loss@5 | 1.000 | +0.0% | 1.000 | +0.0% | 11.0 | 2 | 6->5 | in process |" in table
+    assert "| restart@5 | 1.000 | +0.0% | 1.000 | +0.0% | 61.0 | 2 | 6->5 | 1 restart(s) |" in table
+    # Where the recovery's seconds went: one row per arm that recovered in process.
+    assert "| loss@5 | 4.0 | 0.5 | 1.0 | 1.0 | 2.0 | 1.0 | 9.5 |" in table
+    assert "| restart@5 | 4" not in table
     assert "2026-12-03 at commit abc1234" in table
     assert "may have run different plans" in table  # no shared plan recorded
 

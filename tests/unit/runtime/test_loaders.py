@@ -91,14 +91,32 @@ def test_a_rank_made_active_mid_epoch_gets_the_real_batches() -> None:
     loader = _train(data, idle)
     iterator = iter(loader)
     first, prefetched = next(iterator), next(iterator)  # Lightning fetches one batch ahead
-    assert real_batch(loader, first, idle.idle, lambda b: b) is first  # still idle
+    got, reread = real_batch(loader, first, idle.idle, lambda b: b)
+    assert got is first and reread is not None  # still idle
     idle.idle = False  # a re-plan brings the rank in before the prefetched batch's step
-    step = real_batch(loader, prefetched, idle.idle, lambda b: b)
-    assert step is not prefetched and _ys(step) == [4, 5, 6, 7]
+    step, reread = real_batch(loader, prefetched, idle.idle, lambda b: b)
+    assert step is not prefetched and _ys(step) == [4, 5, 6, 7] and reread is None
     rest = next(iterator)
     assert _ys(rest) == [8, 9, 10, 11]
-    assert real_batch(loader, rest, idle.idle, lambda b: b) is rest
+    assert real_batch(loader, rest, idle.idle, lambda b: b) == (rest, None)
     assert data.reads == 12  # the stand-in, the re-read prefetched batch and the last
+
+
+def test_an_idle_step_reads_its_real_batch_later() -> None:
+    """A replay after a lost device may make an idle rank active: it reads the real rows of
+    the steps it stood in for."""
+    data = _Counted(12)
+    idle = _Switch(True)
+    loader = _train(data, idle)
+    iterator = iter(loader)
+    first, second = next(iterator), next(iterator)
+    _, reread_first = real_batch(loader, first, idle.idle, lambda b: b)
+    _, reread_second = real_batch(loader, second, idle.idle, lambda b: {**b, "moved": True})
+    assert reread_first is not None and reread_second is not None
+    reads = data.reads
+    assert _ys(reread_second()) == [4, 5, 6, 7] and reread_second()["moved"] is True
+    assert _ys(reread_first()) == [0, 1, 2, 3]
+    assert data.reads == reads + 12
 
 
 def test_real_batch_moves_the_batch_it_reads() -> None:
@@ -107,7 +125,7 @@ def test_real_batch_moves_the_batch_it_reads() -> None:
     iterator = iter(loader)
     stand_in = next(iterator)
     idle.idle = False
-    moved = real_batch([loader], stand_in, idle.idle, lambda b: {**b, "moved": True})
+    moved, _ = real_batch([loader], stand_in, idle.idle, lambda b: {**b, "moved": True})
     assert moved["moved"] is True and _ys(moved) == [0, 1, 2, 3]
 
 

@@ -1,0 +1,88 @@
+"""Worker for tests/multiprocess/test_recover_in_process.py; one torchrun node per rank.
+
+    torchrun --nnodes=4 --nproc_per_node=1 ... recover_worker.py OUT_DIR CONFIGS_JSON
+
+(one config per launch: the device a config kills is gone for the next.) ``DeepCEEStrategy()``
+trains ``TinyNet`` with ``ElasticCheckpoint(every_n_train_steps=3)``; the search is stood in for
+by fixed layouts (the tiny model alone would be planned on one device): on 4 devices, blocks
+[0, 2) | [2, 4) | [4, 6) on ranks 0 | 1 | 2 with rank 3 idle; on 3 devices, [0, 1) | [1, 4) |
+[4, 6) on all three. Rank ``kill`` ends its process without a word when the step after
+``kill_after`` steps begins. Each survivor writes its parameters to
+``OUT_DIR/<name>/rank<its rank at the end>.pt`` and ``world<rank>.txt`` (world size at the end,
+recoveries).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+import lightning_deepcee.runtime.spread_search as spread_search
+from lightning_deepcee import DeepCEEStrategy, ElasticCheckpoint
+from lightning_deepcee.planner import make_plan
+from lightning_deepcee.planner.subsets import lift, restrict
+from tests.helpers.models import TinyNet, make_loader
+from tests.helpers.workers import QUIET, run_configs, save_params
+
+warnings.filterwarnings("ignore")
+LAYOUTS = {
+    4: [([0], (0, 2)), ([1], (2, 4)), ([2], (4, 6))],
+    3: [([0], (0, 1)), ([1], (1, 4)), ([2], (4, 6))],
+}
+
+
+def _plan_search(profile: Any, *, global_batch_size: int, **_: Any) -> Any:
+    stages = LAYOUTS[profile.num_devices]
+    active = sorted({r for ranks, _ in stages for r in ranks})
+    plan = make_plan(
+        restrict(profile, active),
+        [[active.index(r) for r in ranks] for ranks, _ in stages],
+        [blocks for _, blocks in stages],
+        schedule="1f1b",
+        num_microbatches=2,
+        global_batch_size=global_batch_size,
+    )
+    return lift(plan, active, profile.num_devices)
+
+
+class _Kill(pl.Callback):
+    def __init__(self, rank: int, after: int) -> None:
+        self.rank, self.after = rank, after
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.after and int(os.environ["RANK"]) == self.rank:
+            os._exit(1)  # the device is gone
+
+
+def run(cfg: dict[str, Any], out: Path) -> None:
+    spread_search.plan_search = _plan_search  # type: ignore[assignment]
+    target = out / cfg["name"]
+    model = TinyNet()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=int(os.environ["WORLD_SIZE"]),
+        strategy=DeepCEEStrategy(plan_trial=1, verbose=False, timeout_s=20),
+        max_steps=cfg["steps"],
+        **{**QUIET, "enable_checkpointing": True},
+        gradient_clip_val=cfg.get("clip"),
+        default_root_dir=str(target),
+        use_distributed_sampler=False,
+        callbacks=[
+            ElasticCheckpoint(dirpath=str(target / "ckpt"), every_n_train_steps=3),
+            _Kill(cfg["kill"], cfg["kill_after"]),
+        ],
+    )
+    trainer.fit(model, make_loader())
+    rank = trainer.global_rank
+    save_params(model, target / f"rank{rank}.pt")
+    recoveries = trainer.strategy.recovery.recoveries  # type: ignore[attr-defined]
+    (target / f"world{rank}.txt").write_text(f"{trainer.world_size} {recoveries}")
+
+
+if __name__ == "__main__":
+    run_configs(run)
