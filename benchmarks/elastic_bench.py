@@ -133,11 +133,15 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 
 def step_time(rows: list[dict[str, Any]], warmup: int, mean: bool = False) -> float | None:
     """Median (or mean) seconds between consecutive steps of one job start, after ``warmup``
-    steps. The mean counts the steps that carry a checkpoint's blocking part; the median not."""
+    steps, without the step that recovered from a loss. The mean counts the steps that carry a
+    checkpoint's blocking part; the median not."""
     gaps = [
         b["t"] - a["t"]
         for a, b in itertools.pairwise(rows)
-        if a["start"] == b["start"] and b["step"] == a["step"] + 1 and a["step"] >= warmup
+        if a["start"] == b["start"]
+        and b["step"] == a["step"] + 1
+        and a["step"] >= warmup
+        and "recovery" not in b  # the step that recovered in process is no step time
     ]
     if not gaps:
         return None
@@ -265,6 +269,7 @@ def render(result: dict[str, Any]) -> str:
         f"{cfg['kill_step'] + 1}.",
         "",
         _plan_sentence(result),
+        *(["", result["note"]] if result.get("note") else []),
         "",
         "| arm | step s (median) | vs off | step s (mean) | vs off | kill -> first step s "
         "| steps redone | world | how |",

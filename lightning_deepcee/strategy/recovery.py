@@ -46,7 +46,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_deepcee.planner import Plan
 from lightning_deepcee.runtime import PipelineSpec
-from lightning_deepcee.runtime.checkpoint import newest_checkpoint
+from lightning_deepcee.runtime.checkpoint import load_meta, newest_checkpoint
 from lightning_deepcee.runtime.liveness import DeviceLostError
 from lightning_deepcee.runtime.manual_layout import ManualLayout
 from lightning_deepcee.runtime.regroup import (
@@ -63,8 +63,10 @@ from lightning_deepcee.strategy.setup_plan import initial_plan
 from lightning_deepcee.strategy.setup_profile import ProfileSettings
 from lightning_deepcee.strategy.step_log import StepLog
 
-__all__ = ["InProcessRecovery", "RecoveryHost"]
+__all__ = ["KEEP_LIMIT_BYTES", "InProcessRecovery", "RecoveryHost"]
 
+KEEP_LIMIT_BYTES = 2 * 2**30
+"""At most this many bytes of batches are kept for a replay (on the host, per rank)."""
 _MODULE_HOOKS = ("optimizer_step", "optimizer_zero_grad", "lr_scheduler_step")
 """Module hooks a replayed step would not call: a module that overrides one restarts instead."""
 
@@ -80,6 +82,8 @@ class _Step:
     batch: Any
     reread: Callable[[], Any] | None
     """Reads the real batch when ``batch`` is an idle rank's stand-in."""
+    size: int = 0
+    """Bytes of the batch's tensors."""
 
 
 class _Clock:
@@ -142,6 +146,8 @@ class InProcessRecovery:
         self.enabled = enabled
         """The strategy's ``recover_in_process``; cleared at set-up when the run cannot."""
         self._steps: list[_Step] = []
+        self._kept_bytes = 0
+        self._overflowed = False
         self._saved_before = -1
         """The step of the save before the newest: a replay may start there (the newest save
         may not have committed when the device is lost)."""
@@ -181,7 +187,7 @@ class InProcessRecovery:
 
     def start(self, host: RecoveryHost, trainer: pl.Trainer, world_size: int) -> None:
         """At the start of fitting: keep steps for a replay, or say why a loss will restart."""
-        self._steps.clear()
+        self._steps, self._kept_bytes, self._overflowed = [], 0, False
         self._saved = self._saved_before = trainer.global_step  # a resume starts at a save
         if world_size < 2:
             self.enabled = False  # nothing to lose
@@ -196,16 +202,33 @@ class InProcessRecovery:
 
     # ------------------------------------------------------------------------------- steps
     def note_step(self, step: int, batch: Any, reread: Callable[[], Any] | None) -> None:
-        """Keep this step's batch for a replay (only while recovery is on)."""
-        if self.enabled:
-            self._steps.append(_Step(step, time.time(), batch, reread))
+        """Keep this step's batch for a replay (only while recovery is on). Past
+        ``KEEP_LIMIT_BYTES`` of batches since the last save, nothing more is kept until the next
+        save, and a loss until then restarts the job. Every rank counts the same bytes (a
+        stand-in has the real batch's shapes), so every rank decides alike."""
+        if not self.enabled or self._overflowed:
+            return
+        size = _tensor_bytes(batch)
+        if self._kept_bytes + size > KEEP_LIMIT_BYTES:
+            rank_zero_info(
+                f"DeepCEE: the batches since the last checkpoint exceed "
+                f"{KEEP_LIMIT_BYTES / 2**30:.0f} GiB: until the next one, a lost device restarts "
+                "the job (checkpoint more often to recover in process)."
+            )
+            self._steps, self._kept_bytes, self._overflowed = [], 0, True
+            return
+        self._kept_bytes += size
+        self._steps.append(_Step(step, time.time(), batch, reread, size))
 
     def note_save(self, step: int) -> None:
         """A checkpoint of ``step`` began: the steps before the save before it are not needed."""
         if step == self._saved:
             return
         self._saved_before, self._saved = self._saved, step
+        if self._overflowed:  # keep again from this save on
+            self._saved_before, self._overflowed = step, False
         self._steps = [s for s in self._steps if s.step >= self._saved_before]
+        self._kept_bytes = sum(s.size for s in self._steps)
 
     # ---------------------------------------------------------------------------- recovery
     def recover(
@@ -280,8 +303,11 @@ class InProcessRecovery:
             return "the lost device is not known"
         if path is None:
             return "no complete checkpoint yet"
-        if not self._steps:
-            return "no step was kept"
+        if self._overflowed or not self._steps:
+            return "the batches since the last checkpoint were not kept (over the limit)"
+        saved = int(load_meta(path).get("global_step", 0))
+        if saved < self._steps[0].step:
+            return f"the newest complete checkpoint (step {saved}) is older than the steps kept"
         return None
 
     def _load(self, host: RecoveryHost, path: Path) -> int:
@@ -382,6 +408,17 @@ def _clear_frames(error: BaseException) -> None:
         seen.add(id(cause))
         traceback.clear_frames(cause.__traceback__)
         cause = cause.__cause__ or cause.__context__
+
+
+def _tensor_bytes(batch: Any) -> int:
+    """Bytes of the tensors in ``batch`` (any nesting of lists, tuples and dicts)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel() * batch.element_size()
+    if isinstance(batch, dict):
+        return sum(_tensor_bytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in batch)
+    return 0
 
 
 def _checkpoint_dir(trainer: pl.Trainer) -> Path | None:

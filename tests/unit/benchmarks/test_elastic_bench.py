@@ -35,8 +35,11 @@ def test_step_time_is_the_median_gap_within_one_start() -> None:
         "step_mean_s": pytest.approx(8.0 / 6),
     }
     assert bench.step_time(ROWS, warmup=100) is None
-    # A gap across a restart never counts, even when the steps are consecutive.
+    # A gap across a restart never counts, even when the steps are consecutive; nor the step
+    # that recovered in process.
     assert bench.step_time([_row(5, 0.0), _row(6, 50.0, start=1)], warmup=0) is None
+    recovered = {**_row(6, 20.0), "recovery": {"seconds": 19.0}}
+    assert bench.step_time([_row(5, 0.0), recovered, _row(7, 21.0)], warmup=0) == 1.0
 
 
 def test_loss_figures() -> None:

@@ -7,8 +7,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
+import lightning_deepcee.strategy.recovery as recovery_module
 from lightning_deepcee.strategy.recovery import InProcessRecovery
 from tests.helpers.models import TinyNet
 
@@ -95,3 +97,23 @@ def test_steps_are_kept_from_the_save_before_the_newest() -> None:
     assert [s.step for s in recovery._steps] == [5, 6, 7, 8, 9, 10, 11]
     recovery.note_save(10)  # the same save again (Lightning's last checkpoint): nothing drops
     assert recovery._steps[0].step == 5
+
+
+def test_past_the_byte_limit_nothing_is_kept_until_the_next_save(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A loss before the next save then restarts the job; every rank counts the same bytes
+    (an idle rank's stand-in has the real batch's shapes)."""
+    monkeypatch.setattr(recovery_module, "KEEP_LIMIT_BYTES", 1000)
+    recovery = InProcessRecovery(True, timeout_s=60)
+    recovery.start(_host(), _trainer(global_step=0), world_size=3)  # type: ignore[arg-type]
+    batch = (torch.zeros(50), torch.zeros(50, dtype=torch.int64))  # 200 + 400 bytes
+    recovery.note_step(0, batch, None)
+    assert [s.step for s in recovery._steps] == [0]
+    recovery.note_step(1, batch, lambda: batch)  # a stand-in counts the same: 1200 > 1000
+    assert recovery._steps == []
+    recovery.note_step(2, batch, None)  # nothing kept until the next save
+    assert recovery._steps == []
+    recovery.note_save(3)
+    recovery.note_step(3, batch, None)
+    assert [s.step for s in recovery._steps] == [3]
