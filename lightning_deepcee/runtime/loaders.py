@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -212,26 +213,23 @@ def real_batch(
     if not stood:
         return batch, None
     if len(loaders) != 1:
-        if idle:
-            return batch, _cannot_reread(len(loaders))
-        _cannot_reread(len(loaders))()
-    loader, indices = stood[0]
-
-    def reread() -> Any:
-        return to_device(loader.read(indices))
-
+        reread: Callable[[], Any] = functools.partial(_cannot_reread, len(loaders))
+    else:
+        loader, indices = stood[0]
+        reread = functools.partial(_reread, loader, indices, to_device)
     return (batch, reread) if idle else (reread(), None)
 
 
-def _cannot_reread(count: int) -> Callable[[], Any]:
-    def fail() -> Any:
-        raise RuntimeError(
-            "DeepCEE: a re-plan made this idle rank active while it stood in for the batches of "
-            f"{count} train dataloaders, whose combined batch cannot be read here. Train "
-            "from one dataloader, or re-plan at an epoch boundary."
-        )
+def _reread(loader: TrainLoader, indices: list[int], to_device: Callable[[Any], Any]) -> Any:
+    return to_device(loader.read(indices))
 
-    return fail
+
+def _cannot_reread(count: int) -> Any:
+    raise RuntimeError(
+        "DeepCEE: a re-plan made this idle rank active while it stood in for the batches of "
+        f"{count} train dataloaders, whose combined batch cannot be read here. Train "
+        "from one dataloader, or re-plan at an epoch boundary."
+    )
 
 
 def _leaves(iterables: Any) -> list[Any]:

@@ -44,6 +44,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment, TorchEla
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_deepcee._compat import tree_flatten
 from lightning_deepcee.planner import Plan
 from lightning_deepcee.runtime import PipelineSpec
 from lightning_deepcee.runtime.checkpoint import load_meta, newest_checkpoint
@@ -142,9 +143,11 @@ class InProcessRecovery:
     """This rank's in-process recovery: the steps kept for a replay, and the recovery itself
     (see the module docstring)."""
 
-    def __init__(self, enabled: bool, *, timeout_s: float) -> None:
-        self.enabled = enabled
-        """The strategy's ``recover_in_process``; cleared at set-up when the run cannot."""
+    def __init__(self, wanted: bool, *, timeout_s: float) -> None:
+        self.wanted = wanted
+        """The strategy's ``recover_in_process``."""
+        self.enabled = wanted
+        """Whether this fit recovers in process (``wanted``, and :meth:`why_not` found nothing)."""
         self._steps: list[_Step] = []
         self._kept_bytes = 0
         self._overflowed = False
@@ -189,13 +192,12 @@ class InProcessRecovery:
         """At the start of fitting: keep steps for a replay, or say why a loss will restart."""
         self._steps, self._kept_bytes, self._overflowed = [], 0, False
         self._saved = self._saved_before = trainer.global_step  # a resume starts at a save
-        if world_size < 2:
-            self.enabled = False  # nothing to lose
+        self.enabled = self.wanted and world_size > 1  # one process has nothing to lose
         if not self.enabled:
             return
         why = self.why_not(host, trainer)
+        self.enabled = why is None
         if why is not None:
-            self.enabled = False
             rank_zero_info(
                 f"DeepCEE: a lost device will restart the job, not recover in its processes: {why}."
             )
@@ -311,17 +313,11 @@ class InProcessRecovery:
         return None
 
     def _load(self, host: RecoveryHost, path: Path) -> int:
-        """Load the checkpoint at ``path`` onto the layout just built; its global step.
-        Raises when the steps kept do not reach back to it."""
+        """Load the checkpoint at ``path`` (the kept steps reach back to it: ``_why_not_now``)
+        onto the layout just built; its global step."""
         checkpoint = host.checkpointer.load(
             path, host.stage_part, host.optimizers, hosts=host.failures.hosts
         )
-        step = int(checkpoint.get("global_step", 0))
-        if step < self._steps[0].step:
-            raise RuntimeError(
-                f"DeepCEE: the newest complete checkpoint ({path}, step {step}) is older than the "
-                f"steps kept for a replay (from step {self._steps[0].step}); the job restarts."
-            )
         if not host.is_idle:
             module = host.lightning_module
             assert module is not None
@@ -334,7 +330,7 @@ class InProcessRecovery:
                 host.lr_scheduler_configs, checkpoint["lr_schedulers"], strict=True
             ):
                 config.scheduler.load_state_dict(state)
-        return step
+        return int(checkpoint.get("global_step", 0))
 
     def _train(
         self, host: RecoveryHost, trainer: pl.Trainer, kept: _Step, *, schedulers: bool
@@ -411,14 +407,9 @@ def _clear_frames(error: BaseException) -> None:
 
 
 def _tensor_bytes(batch: Any) -> int:
-    """Bytes of the tensors in ``batch`` (any nesting of lists, tuples and dicts)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.numel() * batch.element_size()
-    if isinstance(batch, dict):
-        return sum(_tensor_bytes(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in batch)
-    return 0
+    """Bytes of the tensors in ``batch`` (any nesting torch's pytree knows)."""
+    leaves = tree_flatten(batch)[0]
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
 def _checkpoint_dir(trainer: pl.Trainer) -> Path | None:

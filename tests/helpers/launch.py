@@ -29,6 +29,16 @@ def write_configs(out: Path, configs: list[dict[str, Any]]) -> Path:
     return path
 
 
+def _command(
+    worker: Path, args: tuple[str | Path, ...], layout: list[str], node: int, port: int
+) -> list[str]:
+    """One node's torchrun command line, on loopback."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", *layout, f"--node_rank={node}",
+        "--master_addr=127.0.0.1", f"--master_port={port}", str(worker), *map(str, args),
+    ]  # fmt: skip
+
+
 def torchrun(
     worker: Path,
     *args: str | Path,
@@ -48,10 +58,7 @@ def torchrun(
         layout, launches = [f"--nproc_per_node={world}"], 1
     procs = []
     for node in range(launches):
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", *layout, f"--node_rank={node}",
-            "--master_addr=127.0.0.1", f"--master_port={port}", str(worker), *map(str, args),
-        ]  # fmt: skip
+        cmd = _command(worker, args, layout, node, port)
         procs.append(
             subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env()
@@ -85,11 +92,7 @@ def torchrun_until(
     port = free_port()
     procs, logs = [], []
     for node in range(world):
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nnodes={world}",
-            "--nproc_per_node=1", f"--node_rank={node}", "--master_addr=127.0.0.1",
-            f"--master_port={port}", str(worker), *map(str, args),
-        ]  # fmt: skip
+        cmd = _command(worker, args, [f"--nnodes={world}", "--nproc_per_node=1"], node, port)
         log = (out / f"node{node}.log").open("w")
         logs.append(log)
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=worker_env()))
