@@ -129,7 +129,7 @@ def profile_cluster(
     warmup: int = 2,
     small_bytes: int = 1024,
     large_bytes: int = 4 * 2**20,
-    network_repeats: int = 3,
+    network_repeats: int = 2,
     budget_s: float = 60.0,
     op_timeout_s: float | None = None,
     rounds: int = 3,
