@@ -25,7 +25,9 @@ groups). Roughly, per link and per step:
    stalled samples nor how the pairs happened to overlap looks like a change; it is back to
    normal when the window median is past ``expected / fast_threshold`` (hysteresis);
 5. entering DEGRADED proposes a ``split``, leaving it a ``merge``; a DEGRADED or IMPROVED state
-   that persists ``replan_after`` steps proposes one ``replan``.
+   that persists ``replan_after`` steps proposes one ``replan``;
+6. a severe change (every sample of the window beyond ``severe_threshold`` times the
+   expectation) enters its state at once and proposes its ``replan`` with the ``split``.
 
 See ``docs/adapter.md`` for the reasoning behind each default.
 """
@@ -239,9 +241,7 @@ class LinkMonitor:
             if track.expected is None:
                 self._calibrate(track)
                 continue
-            decision = self._advance(step, track)
-            if decision is not None:
-                decisions.append(decision)
+            decisions += self._advance(step, track)
         return decisions
 
     def rebase(
@@ -413,10 +413,10 @@ class LinkMonitor:
         calibrated = _quantile(track.calibration, self.config.calibration_quantile)
         track.expected = calibrated if track.planned is None else min(track.planned, calibrated)
 
-    def _advance(self, step: int, track: _Track) -> Decision | None:
+    def _advance(self, step: int, track: _Track) -> list[Decision]:
         cfg = self.config
         if len(track.together) < cfg.window:
-            return None
+            return []
         together = statistics.median(track.together)
         apart = statistics.median(track.apart)
         expected = track.expected
@@ -428,35 +428,45 @@ class LinkMonitor:
             fast = min(track.apart) > expected * cfg.slow_threshold
             track.down_streak = track.down_streak + 1 if slow else 0
             track.up_streak = track.up_streak + 1 if fast else 0
+            if max(track.together) < expected / cfg.severe_threshold:
+                split = self._enter_degraded(step, track, together, severe=True)
+                return [split, self._replan(step, track, together, "slower", severe=True)]
+            if min(track.apart) > expected * cfg.severe_threshold:
+                self._enter(track, "improved", step)
+                return [self._replan(step, track, apart, "faster", severe=True)]
             if track.down_streak >= cfg.react_after:
-                return self._enter_degraded(step, track, together)
+                return [self._enter_degraded(step, track, together)]
             if track.up_streak >= cfg.react_after:
                 self._enter(track, "improved", step)
-            return None
+            return []
         if track.state == "degraded":
             recovered = together > expected / cfg.fast_threshold
             track.up_streak = track.up_streak + 1 if recovered else 0
             if track.up_streak >= cfg.react_after:
                 self._enter(track, "normal", step)
                 track.split = 1
-                return self._decision(
-                    step,
-                    track,
-                    "merge",
-                    together,
-                    f"median > expected/{cfg.fast_threshold:g} for {cfg.react_after} "
-                    "consecutive samples; send whole micro-batches again",
-                )
+                return [
+                    self._decision(
+                        step,
+                        track,
+                        "merge",
+                        together,
+                        f"median > expected/{cfg.fast_threshold:g} for {cfg.react_after} "
+                        "consecutive samples; send whole micro-batches again",
+                    )
+                ]
             return self._maybe_replan(step, track, together, "slower")
         # improved
         settled = apart < expected * cfg.fast_threshold
         track.down_streak = track.down_streak + 1 if settled else 0
         if track.down_streak >= cfg.react_after:
             self._enter(track, "normal", step)
-            return None
+            return []
         return self._maybe_replan(step, track, apart, "faster")
 
-    def _enter_degraded(self, step: int, track: _Track, median: float) -> Decision:
+    def _enter_degraded(
+        self, step: int, track: _Track, median: float, *, severe: bool = False
+    ) -> Decision:
         cfg = self.config
         self._enter(track, "degraded", step)
         assert track.expected is not None
@@ -467,25 +477,37 @@ class LinkMonitor:
             track,
             "split",
             median,
-            f"every sample < expected/{cfg.slow_threshold:g} for {cfg.react_after} steps, "
-            f"median {median / track.expected:.0%} of expected; {track.split} pieces per "
+            (
+                f"every sample of the window < expected/{cfg.severe_threshold:g}, "
+                if severe
+                else f"every sample < expected/{cfg.slow_threshold:g} for {cfg.react_after} steps, "
+            )
+            + f"median {median / track.expected:.0%} of expected; {track.split} pieces per "
             "micro-batch would restore each piece's time "
             f"(ceil({ratio:.2f}), max_split={cfg.max_split})",
         )
 
     def _maybe_replan(
         self, step: int, track: _Track, median: float, direction: str
-    ) -> Decision | None:
+    ) -> list[Decision]:
         if track.replanned or step - track.since_step < self.config.replan_after:
-            return None
+            return []
+        return [self._replan(step, track, median, direction, severe=False)]
+
+    def _replan(
+        self, step: int, track: _Track, median: float, direction: str, *, severe: bool
+    ) -> Decision:
+        cfg = self.config
         track.replanned = True
+        why = (
+            f"every sample of the window {direction} than planned by more than "
+            f"{cfg.severe_threshold:g}x (severe_threshold)"
+            if severe
+            else f"link {direction} than planned for {step - track.since_step} steps "
+            f"(replan_after={cfg.replan_after})"
+        )
         return self._decision(
-            step,
-            track,
-            "replan",
-            median,
-            f"link {direction} than planned for {step - track.since_step} steps "
-            f"(replan_after={self.config.replan_after}); re-plan with the measured bandwidth",
+            step, track, "replan", median, f"{why}; re-plan with the measured bandwidth"
         )
 
     @staticmethod

@@ -58,6 +58,11 @@ class MonitorConfig:
     ``split`` or ``merge`` proposal)."""
     replan_after: int = 20
     """Steps a DEGRADED or IMPROVED state must persist before the slow response: one re-plan."""
+    severe_threshold: float = 4.0
+    """A link whose every sample of the window is below ``expected / severe_threshold`` (above
+    ``expected * severe_threshold``) changes state at once, without ``react_after``, and proposes
+    its re-plan with the split, without ``replan_after``: a change that large is no transient
+    (a stall inflates a minority of samples), and each step on the old plan costs several."""
     min_bytes: int = 65536
     """Transfers smaller than this many bytes are ignored: their time is mostly latency and
     jitter, not bandwidth."""
@@ -77,7 +82,12 @@ class MonitorConfig:
     an arrival) does not lower it."""
 
     def __post_init__(self) -> None:
-        for name in ("slow_threshold", "fast_threshold", "calibration_quantile"):
+        for name in (
+            "slow_threshold",
+            "fast_threshold",
+            "severe_threshold",
+            "calibration_quantile",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise ValueError(f"MonitorConfig.{name}: expected a number, got {value!r}")
@@ -89,6 +99,12 @@ class MonitorConfig:
                 f"hysteresis band), got fast_threshold={self.fast_threshold}, "
                 f"slow_threshold={self.slow_threshold}; e.g. set fast_threshold=1.25, "
                 "slow_threshold=1.5"
+            )
+        if self.severe_threshold < self.slow_threshold:
+            raise ValueError(
+                "MonitorConfig: expected severe_threshold >= slow_threshold (a severe change is "
+                f"a large one), got severe_threshold={self.severe_threshold}, "
+                f"slow_threshold={self.slow_threshold}; e.g. set severe_threshold=4"
             )
         if not 0.0 <= self.calibration_quantile <= 1.0:
             raise ValueError(

@@ -40,7 +40,10 @@ _ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def run(request: Mapping[str, Any]) -> dict[str, Any]:
-    """The search itself: ``choose_replan`` on the request's profile and plan, as a dict."""
+    """The search itself, as a dict: ``choose_replan`` on the request's profile and plan, or
+    with ``"kind": "contingencies"`` a plan for each of ``contingency_profiles`` (``{"plans":
+    [{"name": ..., "plan": ...}, ...]}``, a scenario nothing fits left out)."""
+    from lightning_deepcee.adapter.contingency import contingency_profiles
     from lightning_deepcee.adapter.replan import choose_replan
     from lightning_deepcee.planner.plan import Plan
     from lightning_deepcee.planner.prediction import CostModelConfig
@@ -49,17 +52,27 @@ def run(request: Mapping[str, Any]) -> dict[str, Any]:
 
     profile = ClusterProfile.from_dict(request["profile"])
     current = Plan.from_dict(request["plan"])
+    search = functools.partial(
+        plan_search,
+        num_blocks=current.num_blocks,
+        global_batch_size=current.global_batch_size,
+        device_gain=float(request.get("device_gain", DEVICE_GAIN)),
+        config=CostModelConfig(compression=tuple(request.get("compression", ()))),
+    )
+    if request.get("kind") == "contingencies":
+        plans = []
+        for name, scenario in contingency_profiles(profile, current):
+            try:
+                plans.append({"name": name, "plan": search(scenario).to_dict()})
+            except ValueError:  # nothing fits that scenario: no plan ahead for it
+                continue
+        return {"plans": plans}
     clocked = request.get("current_s")
-    device_gain = float(request.get("device_gain", DEVICE_GAIN))
     return choose_replan(
         profile,
         current,
         gain=float(request["gain"]),
-        search=functools.partial(
-            plan_search,
-            device_gain=device_gain,
-            config=CostModelConfig(compression=tuple(request.get("compression", ()))),
-        ),
+        search=lambda observed, **_: search(observed),
         current_s=None if clocked is None else float(clocked),
     ).to_dict()
 

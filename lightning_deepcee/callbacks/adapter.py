@@ -85,6 +85,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         window: int = 5,
         react_after: int = 3,
         replan_after: int = 20,
+        severe_threshold: float = 4.0,
         min_bytes: int = 65536,
         max_split: int = 4,
         warmup_steps: int = 5,
@@ -99,7 +100,8 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
     ) -> None:
         self.config = MonitorConfig(
             slow_threshold=slow_threshold, fast_threshold=fast_threshold, window=window,
-            react_after=react_after, replan_after=replan_after, min_bytes=min_bytes,
+            react_after=react_after, replan_after=replan_after,
+            severe_threshold=severe_threshold, min_bytes=min_bytes,
             max_split=max_split, warmup_steps=warmup_steps, calibration_steps=calibration_steps,
             calibration_quantile=calibration_quantile,
         )  # fmt: skip
@@ -211,6 +213,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
             self._decide(trainer, strategy, list(seen.values()), stale=monitor is not self.monitor)
         if self._changes != changes:
             self._forget_exchange()  # its figures and proposals are of the configuration left
+        self.replanner.search_ahead(strategy)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

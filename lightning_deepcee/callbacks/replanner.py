@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_deepcee.adapter.replan import placement_key
 from lightning_deepcee.adapter.search_process import SearchProcess
+from lightning_deepcee.callbacks.contingency import Contingencies
 
 if TYPE_CHECKING:
     from lightning_deepcee.adapter.guard import ActionGuard
@@ -158,6 +159,15 @@ class Replanner:
         self.floor_s: float | None = None
         """The step time predicted at setup for the plan the planner chose then, on the links
         as measured then: no plan beats it on slower links (``None``: a manual layout)."""
+        self.ahead = Contingencies(lambda request: SearchProcess(request))
+        """Plans searched ahead for the running layout's wide-area links (on the searcher)."""
+
+    def search_ahead(self, strategy: AdaptableStrategy) -> None:
+        """Between steps, on the searcher while no re-plan search runs there: search the running
+        layout's plans ahead if it has none (local, no collective)."""
+        rank = searcher(strategy.plan, strategy.cluster_profile)
+        if self.search is None and strategy.global_rank == rank:
+            self.ahead.prepare(strategy, _pacing(self.host.search_cpu_share))
 
     # ------------------------------------------------------------------------ the search
     def start(
@@ -198,7 +208,16 @@ class Replanner:
             changes=changes, configuration=host.configuration, signature=host.signature(),
             clocked=clocked is not None, searcher=searcher(strategy.plan, strategy.cluster_profile),
         )  # fmt: skip
+        ahead = on_one_rank(
+            strategy,
+            "choosing a plan searched ahead",
+            lambda: self.ahead.choose(strategy, observed, current_s, gain),
+            src=search.searcher,
+        )
+        if ahead.get("apply") and self._apply(trainer, strategy, search, ahead):
+            return
         if strategy.global_rank == search.searcher:
+            self.ahead.pause()
             search.job = SearchProcess(
                 {"profile": observed.to_dict(), "plan": current.to_dict(), "gain": gain,
                  "current_s": current_s, "device_gain": strategy.device_gain,
@@ -212,10 +231,11 @@ class Replanner:
         host.record(trainer, {"kind": "replan-search", "reason": why})
 
     def cancel(self) -> None:
-        """Abandon a search still running (training ended)."""
+        """Abandon a search still running (training ended), and one searching ahead."""
         if self.search is not None and self.search.job is not None:
             self.search.job.cancel()
         self.search = None
+        self.ahead.pause()
 
     def finish(self, trainer: pl.Trainer, strategy: AdaptableStrategy) -> None:
         """The searcher's search is done: take its outcome on every rank; move if it pays, the

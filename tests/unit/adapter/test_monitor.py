@@ -126,13 +126,13 @@ def test_drop_to_half_is_split_in_two_within_bound(seed: int | None) -> None:
 
 @pytest.mark.parametrize(("factor", "split_factor"), [(0.6, 2), (0.4, 3), (0.3, 4), (0.1, 4)])
 def test_split_factor_is_ceil_of_ratio_capped(factor: float, split_factor: int) -> None:
-    decisions = _feed(_monitor(), [1.0] * 10 + [factor] * 10)
+    decisions = _kinds(_feed(_monitor(), [1.0] * 10 + [factor] * 10), "split", "merge")
     assert [(d.kind, d.split_factor) for d in decisions] == [("split", split_factor)]
 
 
 def test_max_split_caps_the_factor() -> None:
     monitor = _monitor(dataclasses.replace(CFG, max_split=2))
-    (decision,) = _feed(monitor, [1.0] * 10 + [0.1] * 10)
+    (decision,) = _kinds(_feed(monitor, [1.0] * 10 + [0.1] * 10), "split")
     assert decision.split_factor == 2
 
 
@@ -222,11 +222,15 @@ def test_any_stream_alternates_split_and_merge(runs: list[tuple[float, int]]) ->
     assert all(b - a >= CFG.react_after for a, b in itertools.pairwise(steps))
     expected_split = transitions[-1].split_factor if transitions else 1
     assert monitor.current_split(LINK) == expected_split
-    # Every replan belongs to a persisting state: at least replan_after after its transition.
+    # Every replan belongs to a persisting state: at least replan_after after its transition,
+    # or with it when the change was severe.
     for replan in _kinds(decisions, "replan"):
         earlier = [d.step for d in transitions if d.step <= replan.step]
-        if earlier:
+        if earlier and "severe_threshold" not in replan.reason:
             assert replan.step - earlier[-1] >= CFG.replan_after
+        elif earlier:
+            assert replan.step == earlier[-1]
+            assert replan.new_bandwidth < EXPECTED / CFG.severe_threshold
 
 
 # -- slow response -----------------------------------------------------------------------------
@@ -241,6 +245,42 @@ def test_persistent_drop_replans_exactly_once() -> None:
     assert replan.new_bandwidth == pytest.approx(0.5 * EXPECTED, rel=1e-6)
     assert replan.old_bandwidth == EXPECTED
     assert replan.split_factor == 2
+
+
+@pytest.mark.parametrize("factor", [0.2, 0.1, 0.02])
+def test_a_severe_drop_splits_and_replans_at_once(factor: float) -> None:
+    monitor = _monitor()
+    decisions = _feed(monitor, [1.0] * 50 + [factor] * 100)
+    assert [d.kind for d in decisions] == ["split", "replan"]
+    split, replan = decisions
+    # Within the window (no react_after streak), and the re-plan in the same step.
+    assert split.step == replan.step == 50 + CFG.window - 1
+    assert split.split_factor == replan.split_factor == CFG.max_split
+    assert replan.new_bandwidth == pytest.approx(factor * EXPECTED, rel=1e-6)
+    assert "severe_threshold" in replan.reason
+    assert monitor.link_state(LINK) == "degraded"
+
+
+def test_a_drop_to_just_above_the_severe_threshold_waits_for_replan_after() -> None:
+    factor = 1.05 / CFG.severe_threshold
+    decisions = _feed(_monitor(), [1.0] * 50 + [factor] * 100)
+    split, replan = decisions
+    assert replan.step == split.step + CFG.replan_after
+
+
+def test_a_severe_rise_replans_at_once() -> None:
+    monitor = _monitor()
+    decisions = _feed(monitor, [1.0] * 50 + [5.0] * 100)
+    assert [d.kind for d in decisions] == ["replan"]
+    assert decisions[0].step == 50 + CFG.window - 1
+    assert monitor.link_state(LINK) == "improved"
+
+
+def test_one_sample_above_the_severe_threshold_keeps_the_usual_pace() -> None:
+    # Every sample but one at a tenth: the window never holds only severe samples at once.
+    factors = [1.0] * 50 + [0.1, 0.1, 0.3, 0.1, 0.1] * 20
+    split, replan = _feed(_monitor(), factors)
+    assert replan.step == split.step + CFG.replan_after
 
 
 def test_brief_drop_does_not_replan() -> None:
@@ -358,8 +398,9 @@ def test_slow_first_steps_propose_nothing() -> None:
     # Start-up: the first 8 steps deliver a fifth of the plan, then the link is as planned.
     factors = [0.2] * 8 + [1.0] * 200
     assert _feed(_monitor(DEFAULTS), factors) == []
-    # Judged from the first step against the plan's figure, the same start looks like a drop.
-    assert [d.kind for d in _feed(_monitor(CFG), factors)] == ["split", "merge"]
+    # Judged from the first step against the plan's figure, the same start looks like a severe
+    # drop (a fifth of the plan in every sample): split and re-plan at once, then merge.
+    assert [d.kind for d in _feed(_monitor(CFG), factors)] == ["split", "replan", "merge"]
 
 
 def test_the_calibration_lowers_a_plan_figure_the_wire_never_reaches() -> None:
@@ -543,6 +584,8 @@ def test_load_state_dict_rejects_other_versions_and_warns_on_config_change() -> 
     ("kwargs", "match"),
     [
         ({"slow_threshold": 1.2, "fast_threshold": 1.25}, "fast_threshold < slow_threshold"),
+        ({"severe_threshold": 1.4}, "severe_threshold >= slow_threshold"),
+        ({"severe_threshold": math.inf}, "severe_threshold: expected a finite number"),
         ({"slow_threshold": 1.5, "fast_threshold": 1.5}, "fast_threshold=1.5"),
         ({"fast_threshold": 0.9}, "1 <= fast_threshold"),
         ({"slow_threshold": math.nan}, "finite"),

@@ -1,0 +1,90 @@
+"""Plans searched ahead: for each wide-area link the running plan uses, the plan for that link
+at a tenth, ready before the link falls.
+
+Pure (stdlib plus the pure core), tested in one process. A re-plan search takes seconds of CPU,
+and the device that runs it while training goes on (an idle one, paced under its CPU quota) may
+need half a minute; a link that falls to a tenth costs several times the step meanwhile. So the
+searcher spends its spare time before any change: :func:`contingency_profiles` lists, for every
+pair of network groups the running plan's transfers cross, the profile with every pair between
+the two groups at ``factor`` of its figure, both ways (a congested or re-shaped WAN path slows
+both directions); the search process plans each. When the monitor proposes a re-plan,
+:func:`choose_contingency` predicts those plans on the profile as the links behave now and takes
+the fastest if it beats the running plan by the margin: the move needs no search, and the clock
+still confirms it (``adapter/guard.py``). A change that none of them answers (a link at a third,
+a link the plan does not use) goes to the search as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from lightning_deepcee.adapter.links import plan_pairs
+from lightning_deepcee.adapter.replan import ReplanChoice, placement_key
+from lightning_deepcee.planner.cost_model import predict_plan
+from lightning_deepcee.planner.plan import Plan
+from lightning_deepcee.planner.profile_arrays import ProfileArrays
+from lightning_deepcee.profiler.data import ClusterProfile
+
+__all__ = ["CONTINGENCY_FACTOR", "choose_contingency", "contingency_profiles"]
+
+CONTINGENCY_FACTOR = 0.1
+"""The bandwidth, as a fraction of its figure, each contingency plans a wide-area link at."""
+
+
+def contingency_profiles(
+    profile: ClusterProfile, plan: Plan, factor: float = CONTINGENCY_FACTOR
+) -> list[tuple[str, ClusterProfile]]:
+    """``(name, profile)`` for every pair of network groups ``plan``'s transfers cross: every
+    pair of devices between the two groups at ``factor`` of ``profile``'s figure, both ways.
+    Named ``net{a}<->net{b}`` (the cost model's groups, ``ProfileArrays.network_group``)."""
+    if not 0 < factor < 1:
+        raise ValueError(f"contingency_profiles: factor must be in (0, 1), got {factor!r}")
+    group = [int(g) for g in ProfileArrays(profile).network_group]
+    crossed = sorted(
+        {tuple(sorted((group[s], group[d]))) for s, d in plan_pairs(plan) if group[s] != group[d]}
+    )
+    scenarios = []
+    for a, b in crossed:
+        matrix = [list(row) for row in profile.bandwidth_bytes_per_s]
+        for src, row in enumerate(matrix):
+            for dst in range(len(row)):
+                if {group[src], group[dst]} == {a, b}:
+                    row[dst] *= factor
+        scaled = dataclasses.replace(
+            profile, bandwidth_bytes_per_s=tuple(tuple(row) for row in matrix)
+        )
+        scenarios.append((f"net{a}<->net{b}", scaled))
+    return scenarios
+
+
+def choose_contingency(
+    observed: ClusterProfile,
+    current: Plan,
+    current_s: float,
+    plans: Sequence[tuple[str, Plan]],
+    *,
+    gain: float,
+) -> ReplanChoice | None:
+    """The fastest of ``plans`` (``(name, plan)`` searched ahead) on ``observed`` against the
+    running plan's ``current_s`` (its step on the model's scale): applied if it is faster by
+    ``gain``; ``None`` when no plan differs from the running layout."""
+    if not 0 <= gain < 1:
+        raise ValueError(f"choose_contingency: gain must be in [0, 1), got {gain!r}")
+    others = [(n, p) for n, p in plans if placement_key(p) != placement_key(current)]
+    if not others:
+        return None
+    timed = [(predict_plan(observed, p).step_time_s, n, p) for n, p in others]
+    new_s, name, plan = min(timed, key=lambda t: t[0])
+    apply = new_s < current_s * (1 - gain)
+    reason = (
+        f"the plan searched ahead for {name} at a tenth is predicted "
+        f"{1 - new_s / current_s:.0%} faster on the links as measured (needs {gain:.0%})"
+    )
+    return ReplanChoice(
+        apply=apply,
+        current_step_time_s=current_s,
+        new_step_time_s=new_s,
+        plan=plan,
+        reason=reason,
+    )

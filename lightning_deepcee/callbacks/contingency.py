@@ -1,0 +1,86 @@
+"""The adapter's plans searched ahead (``adapter/contingency.py``), kept on the searcher.
+
+:class:`Contingencies` belongs to the :class:`~lightning_deepcee.callbacks.replanner.Replanner`
+and lives on the searcher only (the device that runs re-plan searches, ``replanner.searcher``):
+while nothing else is searched there it searches, in a child process paced like a re-plan
+search, the plans for each wide-area link of the running layout at a tenth, and keeps them per
+layout (a revert or a move back finds them again). Starting and collecting them is local to the
+searcher, without a collective; the choice among them, when a re-plan is proposed, is made there
+and broadcast with the re-plan's other outcomes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from lightning_deepcee.adapter.contingency import choose_contingency
+from lightning_deepcee.adapter.replan import placement_key
+from lightning_deepcee.adapter.search_process import SearchProcess
+
+if TYPE_CHECKING:
+    from lightning_deepcee.callbacks.strategy_view import AdaptableStrategy
+    from lightning_deepcee.profiler import ClusterProfile
+
+__all__ = ["Contingencies"]
+
+
+class Contingencies:
+    """Plans searched ahead for the running layout's wide-area links, on the searcher."""
+
+    def __init__(self, start: Callable[[Mapping[str, Any]], SearchProcess]) -> None:
+        self._start = start
+        """Starts a search process on a request (``SearchProcess``)."""
+        self.plans: dict[str, list[dict[str, Any]]] = {}
+        """Per layout (``placement_key`` as JSON): ``{"name", "plan"}`` dicts searched ahead."""
+        self._job: SearchProcess | None = None
+        self._job_key: str | None = None
+
+    def prepare(self, strategy: AdaptableStrategy, pacing: dict[str, Any]) -> None:
+        """Collect a finished search; start one for the running layout if it has none (call on
+        the searcher, between steps, while no re-plan search runs there)."""
+        self._collect()
+        profile = strategy.cluster_profile
+        if self._job is not None or profile is None:
+            return
+        plan = strategy.current_plan()
+        key = json.dumps(placement_key(plan))
+        if key in self.plans:
+            return
+        self._job_key = key
+        self._job = self._start(
+            {"kind": "contingencies", "profile": profile.to_dict(), "plan": plan.to_dict(),
+             "device_gain": strategy.device_gain, "compression": list(strategy.compression),
+             **pacing}
+        )  # fmt: skip
+
+    def choose(
+        self, strategy: AdaptableStrategy, observed: ClusterProfile, current_s: float, gain: float
+    ) -> dict[str, Any]:
+        """On the searcher: the running layout's plans searched ahead, the fastest on
+        ``observed`` as a ``ReplanChoice`` dict, or ``{}`` when none is ready or differs."""
+        from lightning_deepcee.planner import Plan
+
+        self._collect()
+        current = strategy.current_plan()
+        ready = self.plans.get(json.dumps(placement_key(current)), [])
+        plans = [(entry["name"], Plan.from_dict(entry["plan"])) for entry in ready]
+        choice = choose_contingency(observed, current, current_s, plans, gain=gain)
+        return {} if choice is None else choice.to_dict()
+
+    def pause(self) -> None:
+        """Stop a search in progress (a re-plan search needs the device); it starts again later."""
+        if self._job is not None:
+            self._job.cancel()
+        self._job = self._job_key = None
+
+    def _collect(self) -> None:
+        job, key = self._job, self._job_key
+        if job is None or key is None or not job.done():
+            return
+        self._job = self._job_key = None
+        try:
+            self.plans[key] = list(job.result()["plans"])
+        except RuntimeError:  # a failed search: no plan ahead for this layout
+            self.plans[key] = []

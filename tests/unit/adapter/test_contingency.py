@@ -1,0 +1,153 @@
+"""Plans searched ahead for the running layout's wide-area links: which profiles they are made
+on, when one is chosen, and the adapter moving to one at a severe drop without a search (the
+end-to-end world of ``test_adapter_decisions``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lightning_deepcee.adapter import search_process
+from lightning_deepcee.adapter.contingency import (
+    CONTINGENCY_FACTOR,
+    choose_contingency,
+    contingency_profiles,
+)
+from lightning_deepcee.adapter.replan import placement_key
+from lightning_deepcee.callbacks.contingency import Contingencies
+from lightning_deepcee.planner import Plan, plan_search, predict_plan
+from tests.helpers.adapter_world import acted, profile_at, run_adapter, world_plan, world_profile
+from tests.helpers.plans import hand_plan
+
+
+def test_each_crossed_pair_of_groups_is_planned_at_a_tenth_both_ways() -> None:
+    profile = world_profile()
+    ((name, scaled),) = contingency_profiles(profile, world_plan())
+    assert name == "net0<->net1"
+    for src in range(3):
+        for dst in range(3):
+            old, new = (
+                profile.bandwidth_bytes_per_s[src][dst],
+                scaled.bandwidth_bytes_per_s[src][dst],
+            )
+            if src == dst:
+                assert math.isinf(new)
+            elif {src, dst} in ({0, 2}, {1, 2}):  # across the WAN, both directions
+                assert new == pytest.approx(old * CONTINGENCY_FACTOR)
+            else:
+                assert new == old  # the LAN pair
+    assert scaled.devices == profile.devices and scaled.latency_s == profile.latency_s
+    with pytest.raises(ValueError, match="factor must be in"):
+        contingency_profiles(profile, world_plan(), factor=1.0)
+
+
+def test_a_layout_inside_one_group_has_no_contingency() -> None:
+    inside = hand_plan(
+        [((0, 3), (0,), (1.0,)), ((3, 6), (1,), (1.0,))],
+        schedule="1f1b",
+        global_batch_size=32,
+        model_fingerprint="model",
+        cluster_fingerprint="cluster",
+    )
+    assert contingency_profiles(world_profile(), inside) == []
+
+
+def _ahead() -> list[tuple[str, Plan]]:
+    return [
+        (name, plan_search(scenario, num_blocks=6, global_batch_size=32))
+        for name, scenario in contingency_profiles(world_profile(), world_plan())
+    ]
+
+
+def test_the_plan_searched_ahead_is_taken_when_the_link_falls() -> None:
+    ahead = _ahead()
+    ((_, plan),) = ahead
+    assert placement_key(plan) != placement_key(world_plan())  # the tenth moves the layout
+    for fraction in (0.1, 0.05):
+        observed = profile_at(fraction)
+        current_s = predict_plan(observed, world_plan()).step_time_s
+        choice = choose_contingency(observed, world_plan(), current_s, ahead, gain=0.1)
+        assert choice is not None and choice.apply and choice.plan == plan
+        assert choice.new_step_time_s == pytest.approx(predict_plan(observed, plan).step_time_s)
+        assert "searched ahead for net0<->net1" in choice.reason
+
+
+def test_the_plan_searched_ahead_must_beat_the_running_one_by_the_margin() -> None:
+    ahead = _ahead()
+    ((_, plan),) = ahead
+    ahead_s = predict_plan(world_profile(), plan).step_time_s
+    # The running plan within 10% of it: kept; beyond: moved.
+    choice = choose_contingency(world_profile(), world_plan(), ahead_s * 1.05, ahead, gain=0.1)
+    assert choice is not None and not choice.apply and choice.plan == plan
+    choice = choose_contingency(world_profile(), world_plan(), ahead_s * 1.2, ahead, gain=0.1)
+    assert choice is not None and choice.apply
+    current_s = predict_plan(world_profile(), world_plan()).step_time_s
+    # Only the running layout ahead: nothing to choose.
+    assert (
+        choose_contingency(
+            world_profile(), world_plan(), current_s, [("x", world_plan())], gain=0.1
+        )
+        is None
+    )
+    with pytest.raises(ValueError, match="gain must be in"):
+        choose_contingency(world_profile(), world_plan(), current_s, ahead, gain=1.0)
+
+
+def test_the_search_process_plans_every_contingency() -> None:
+    request = {
+        "kind": "contingencies",
+        "profile": world_profile().to_dict(),
+        "plan": world_plan().to_dict(),
+        "device_gain": 0.05,
+    }
+    outcome = search_process.run(request)
+    ((name, plan),) = _ahead()
+    assert [entry["name"] for entry in outcome["plans"]] == [name]
+    assert Plan.from_dict(outcome["plans"][0]["plan"]).stages == plan.stages
+
+
+def _severe(step: int) -> float:
+    return 0.05 if step >= 60 else 1.0
+
+
+def test_a_severe_drop_moves_to_the_plan_searched_ahead_without_a_search(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run = run_adapter(monkeypatch, 120, _severe)
+    (applied,) = run.kinds("replan-applied")
+    proposals = [d for d in run.adapter.decisions if d["kind"] == "replan"]
+    # Proposed for both directions with the split, once the window holds only severe samples
+    # (5 steps), and applied when the proposals land (the exchange's one step later).
+    assert {d["name"] for d in proposals} == {"net0->net1", "net1->net0"}
+    assert {d["step"] for d in proposals} == {60 + 5 - 1}
+    assert applied["step"] == proposals[0]["step"] + 2
+    assert all("severe_threshold" in d["reason"] for d in proposals)
+    assert "searched ahead" in applied["reason"]
+    assert run.kinds("replan-search") == [] and run.kinds("split-applied") == []
+    ((_, plan),) = _ahead()
+    assert run.strategy.moves == [plan] and run.strategy.plan == plan
+    (confirmed,) = run.kinds("confirmed")
+    assert confirmed["action"] == "replan" and confirmed["after_s"] < confirmed["before_s"]
+    assert [d["kind"] for d in acted(run)] == ["replan-applied"]
+
+
+def test_a_milder_drop_keeps_the_usual_pace(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fall to a third is no severe change: the split first, the re-plan replan_after steps
+    # after it (then, here, to the plan searched ahead: the model predicts it fastest).
+    run = run_adapter(monkeypatch, 160, lambda step: 0.3 if step >= 60 else 1.0)
+    splits = [d for d in run.adapter.decisions if d["kind"] == "split"]
+    replans = [d for d in run.adapter.decisions if d["kind"] == "replan"]
+    assert {d["step"] for d in replans} == {splits[0]["step"] + 20}
+    kinds = [d["kind"] for d in run.adapter.decisions]
+    assert kinds.index("split-applied") < kinds.index("replan-applied")
+    assert "searched ahead" in run.kinds("replan-applied")[0]["reason"]
+
+
+def test_without_a_plan_ahead_the_search_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Contingencies, "choose", lambda *args, **kwargs: {})
+    run = run_adapter(monkeypatch, 120, _severe)
+    (search,) = run.kinds("replan-search")
+    (applied,) = run.kinds("replan-applied")
+    assert search["step"] == 60 + 5 + 1 and applied["step"] > search["step"]
+    assert "searched ahead" not in applied["reason"]
