@@ -27,7 +27,8 @@ groups). Roughly, per link and per step:
 5. entering DEGRADED proposes a ``split``, leaving it a ``merge``; a DEGRADED or IMPROVED state
    that persists ``replan_after`` steps proposes one ``replan``;
 6. a severe change (every sample of the window beyond ``severe_threshold`` times the
-   expectation) enters its state at once and proposes its ``replan`` with the ``split``.
+   expectation) enters its state at once and proposes its ``replan`` with the ``split``; a link
+   already degraded (improved) that turns severe proposes its ``replan`` then.
 
 See ``docs/adapter.md`` for the reasoning behind each default.
 """
@@ -455,6 +456,8 @@ class LinkMonitor:
                         "consecutive samples; send whole micro-batches again",
                     )
                 ]
+            if not track.replanned and max(track.together) < expected / cfg.severe_threshold:
+                return [self._replan(step, track, together, "slower", severe=True)]
             return self._maybe_replan(step, track, together, "slower")
         # improved
         settled = apart < expected * cfg.fast_threshold
@@ -462,6 +465,8 @@ class LinkMonitor:
         if track.down_streak >= cfg.react_after:
             self._enter(track, "normal", step)
             return []
+        if not track.replanned and min(track.apart) > expected * cfg.severe_threshold:
+            return [self._replan(step, track, apart, "faster", severe=True)]
         return self._maybe_replan(step, track, apart, "faster")
 
     def _enter_degraded(

@@ -61,8 +61,9 @@ class MonitorConfig:
     severe_threshold: float = 4.0
     """A link whose every sample of the window is below ``expected / severe_threshold`` (above
     ``expected * severe_threshold``) changes state at once, without ``react_after``, and proposes
-    its re-plan with the split, without ``replan_after``: a change that large is no transient
-    (a stall inflates a minority of samples), and each step on the old plan costs several."""
+    its re-plan with the split, without ``replan_after`` (a link already degraded or improved
+    proposes it when it turns severe): a change that large is no transient (a stall inflates a
+    minority of samples), and each step on the old plan costs several."""
     min_bytes: int = 65536
     """Transfers smaller than this many bytes are ignored: their time is mostly latency and
     jitter, not bandwidth."""
