@@ -174,15 +174,18 @@ def relayout_from(
 
 
 def live_shard(host: BuildHost) -> dict[str, Any]:
-    """This stage's training state on the host, in the checkpoint's shard format."""
+    """A copy of this stage's training state on the host, in the checkpoint's shard format."""
     shard = {
         "state_dict": host.lightning_module_state_dict(),
         "optimizer_states": [host.optimizer_state(opt) for opt in host.optimizers],
         "lr_schedulers": [c.scheduler.state_dict() for c in host.lr_scheduler_configs],
         "optimizer_param_names": host.stage_part.optimizer_param_names(host.optimizers),
     }
-    # Pickling a CUDA tensor would unpickle it on the receiver's GPU of the same index.
-    return apply_to_collection(shard, torch.Tensor, lambda t: t.detach().cpu())
+    # A copy, not a view: on a CPU device ``.cpu()`` returns the live tensor, and the plan trial
+    # keeps this shard while rivals overwrite this rank's blocks (a replica takes its stage's
+    # first device's copy). Pickling a CUDA tensor would unpickle it on the receiver's GPU of the
+    # same index, so the copy is on the host.
+    return apply_to_collection(shard, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
 
 
 def build_for_timing(host: BuildHost, plan: Plan, trainer: pl.Trainer) -> None:

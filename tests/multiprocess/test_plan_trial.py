@@ -49,6 +49,16 @@ def test_the_trial_times_near_plans_and_training_stays_exact(tmp_path: Path) -> 
             "alternative_layout": [[[0], [0, 2]], [[1], [2, 4]], [[2], [4, 6]]],
             "plan_trial": 2,
         },
+        # The searched plan's only device is a replica of the rival's stage, whose first device
+        # holds spoilt copies: the rival's build overwrites its blocks, and the state saved
+        # before it must be a copy, not the live tensors.
+        {
+            "name": "replica",
+            "steps": 3,
+            "searched_layout": [[[1], [0, 6]]],
+            "alternative_layout": [[[0, 1], [0, 6]]],
+            "plan_trial": 2,
+        },
         {"name": "off", "steps": 3, "plan_trial": 1, "record_trial": True},
         {
             "name": "bn",
@@ -59,9 +69,9 @@ def test_the_trial_times_near_plans_and_training_stays_exact(tmp_path: Path) -> 
         },
     ]
     launch_fit(WORLD, configs, tmp_path)
-    for name in ("trial", "rival", "off", "fewer"):
+    for name in ("trial", "rival", "off", "fewer", "replica"):
         assert_same_params(merged_ranks(tmp_path / name, WORLD), fit_reference(3))
-    for name in ("trial", "rival", "fewer"):
+    for name in ("trial", "rival", "fewer", "replica"):
         records = _records(tmp_path / name)
         for record in records:
             # The searched plan and at least one rival were timed on every rank, the same count.
