@@ -611,8 +611,15 @@ def render(result: dict[str, Any]) -> str:
             f"({', '.join(map(str, lasts))}) |"
         )
     drop_s = phases[1][1]
-    reactions = [reactions_s(run, drop_s) for run in on_runs]
+    restore_s = phases[2][1] if len(phases) > 2 else None
+    reactions = [reactions_s(run, drop_s, restore_s) for run in on_runs]
     if any(reactions):
+        returned = any("return-applied" in d for run in on_runs for d in run.get("decisions", []))
+        returns = (
+            f" (a return to the plan left: from the restore at {restore_s:g} s)"
+            if returned and restore_s is not None
+            else ""
+        )
         listed = "; ".join(
             f"run {i + 1}: {', '.join(f'{s:g} s' for s in r) or 'none'}"
             for i, r in enumerate(reactions)
@@ -620,7 +627,7 @@ def render(result: dict[str, Any]) -> str:
         lines += [
             "",
             f"Reaction of each move the adapter applied (a split or a re-plan), from the drop at "
-            f"{drop_s:g} s to the end of the first step after it: {listed}.",
+            f"{drop_s:g} s{returns} to the end of the first step after it: {listed}.",
         ]
     for i, run in enumerate(on_runs):
         if run.get("decisions"):
@@ -629,13 +636,14 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-_APPLIED = re.compile(r"step (\d+) (?:re-plan for [^:]*: applied|split-applied)")
+_APPLIED = re.compile(r"step (\d+) (?:re-plan for [^:]*: applied|split-applied|(return-applied))")
 
 
-def reactions_s(run: dict[str, Any], drop_s: float) -> list[float]:
+def reactions_s(run: dict[str, Any], drop_s: float, restore_s: float | None = None) -> list[float]:
     """Seconds from ``drop_s`` (the trace's drop) to the end of the first step after each split
     or re-plan the adapter applied after it (rank 0's decisions, the steps' trace clock): the
-    reaction time of each move, the move of blocks included."""
+    reaction time of each move, the move of blocks included. A return to the plan a re-plan
+    left counts from ``restore_s`` (the trace's restore), when given."""
     records = sorted(run.get("records", []), key=lambda r: r["step"])
     out = []
     for decision in run.get("decisions", []):
@@ -643,9 +651,10 @@ def reactions_s(run: dict[str, Any], drop_s: float) -> list[float]:
         if found is None:
             continue
         step = int(found.group(1))
+        start_s = restore_s if found.group(2) and restore_s is not None else drop_s
         after = next((r for r in records if r["step"] > step), None)
-        if after is not None and after["end_s"] > drop_s:
-            out.append(round(after["end_s"] - drop_s, 1))
+        if after is not None and after["end_s"] > start_s:
+            out.append(round(after["end_s"] - start_s, 1))
     return out
 
 

@@ -24,6 +24,7 @@ from lightning_deepcee.adapter.exchange import Exchanged, pack, unpack
 from lightning_deepcee.adapter.guard import ActionGuard, GuardConfig, Verdict
 from lightning_deepcee.adapter.monitor import LinkMonitor, LinkObservation, MonitorConfig
 from lightning_deepcee.callbacks.after_step import AfterStepCallback
+from lightning_deepcee.callbacks.comeback import ComeBack
 from lightning_deepcee.callbacks.replanner import Replanned, Replanner, SplitState, on_one_rank
 from lightning_deepcee.callbacks.strategy_view import deepcee_strategy
 
@@ -137,6 +138,8 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         self.replanner = Replanner(self)
         """The slow response and its state: the search in flight, an applied re-plan, the
         clock's references, setup's floor."""
+        self.comeback = ComeBack()
+        """The plan a re-plan left and the probes of the slowed links it left."""
         self._refuted: list[str] = []
         """Actions the clock reverted, with the link states they were taken under (JSON)."""
         self._deferred: list[dict[str, Any]] = []
@@ -153,6 +156,9 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         self._inflight, self._proposed, replanner.search = None, [], None
         if replanner.replanned is not None:
             replanner.restore(trainer, strategy)
+        if replanner.replanned is None:
+            self.comeback.close()  # nothing was left, or the layout that left it is not restored
+        self.comeback.reopen(strategy)
         if self.split_state.base_microbatches is None:
             self.split_state.base_microbatches = strategy.num_microbatches
         self.apply_split(trainer, strategy)  # after a resume, the split in force
@@ -211,6 +217,9 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
                 for d in part or []:
                     seen.setdefault(json.dumps(d, sort_keys=True), d)
             self._decide(trainer, strategy, list(seen.values()), stale=monitor is not self.monitor)
+        self.comeback.observe(landed.rows)
+        if self.comeback.due() and self.guard.pending is None and self.replanner.search is None:
+            self._come_back(trainer, strategy)
         if self._changes != changes:
             self._forget_exchange()  # its figures and proposals are of the configuration left
         self.replanner.search_ahead(strategy)
@@ -219,6 +228,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._forget_exchange()
         self.replanner.cancel()  # a search still running is abandoned
+        self.comeback.stop()  # its probes; what was left stays for a later fit
 
     def _forget_exchange(self) -> None:
         """Let the exchange in flight land and drop it, with the proposals it counted (on every
@@ -235,8 +245,10 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         proposal count, and whether the background re-plan search finished; the returned
         callable waits for it and reads it. It runs on a group of its own, so training's own
         messages never queue behind it."""
+        pairs = self._pairs + self.comeback.pairs
+        records = [*strategy.transfer_records, *self.comeback.records()]
         values = pack(
-            self._pairs, strategy.transfer_records, rank=strategy.global_rank,
+            pairs, records, rank=strategy.global_rank,
             world=strategy.world_size, min_bytes=self.config.min_bytes, step_s=step_s,
             count=count, search_done=search_done,
         )  # fmt: skip
@@ -244,7 +256,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         work = torch.distributed.all_reduce(
             summed, op=torch.distributed.ReduceOp.SUM, group=self._group(), async_op=True
         )
-        pairs, world = list(self._pairs), strategy.world_size
+        world = strategy.world_size
 
         def land() -> Exchanged:
             if work is not None:
@@ -448,6 +460,8 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
                 self.split_state.split = int(action["from"])
                 self.apply_split(trainer, strategy)
             else:
+                if action["kind"] == "replan":
+                    self.comeback.close()  # back on the plan it left
                 self.replanner.revert(trainer, strategy, action["previous"])
                 rebuilt = True
             self.guard.settle()
@@ -455,6 +469,53 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
             deferred, self._deferred = self._deferred, []
             if not rebuilt:
                 self._act(trainer, strategy, deferred)
+
+    # -------------------------------------------------------------------- coming back
+    def moved_away(
+        self, strategy: AdaptableStrategy, left: dict[str, Any], replans: list[dict[str, Any]]
+    ) -> None:
+        """A re-plan moved away from ``left``: probe the slowed links it left."""
+        self.comeback.moved_away(
+            strategy, left, replans, window=self.config.window,
+            fast_threshold=self.config.fast_threshold,
+        )  # fmt: skip
+
+    def _come_back(self, trainer: pl.Trainer, strategy: AdaptableStrategy) -> None:
+        """A link a re-plan left has recovered: back to the plan left if it is predicted faster
+        than the running one (the clock's figure where there is one); kept or reverted by the
+        clock as a move towards the plan."""
+        from lightning_deepcee.adapter.replan import ReplanChoice, placement_key
+        from lightning_deepcee.planner.cost_model import predict_plan
+
+        clocked = self.replanner.clocked_step(strategy)
+        if clocked is not None:
+            current_s, current_is = clocked[0], "runs, on the model's scale,"
+        else:
+            assert strategy.cluster_profile is not None
+            running = self.plan_at(strategy, self.split_state.split)
+            current_s = float(predict_plan(strategy.cluster_profile, running).step_time_s)
+            current_is = "is predicted"
+        comeback = self.comeback
+        outcome = on_one_rank(
+            strategy, "coming back", lambda: comeback.choose(current_s, current_is)
+        )
+        choice = ReplanChoice.from_dict(outcome)
+        assert comeback.left is not None and choice.plan is not None
+        left = {**comeback.left, "profile": outcome["profile"]}
+        key = self.refuted_key("return", placement_key(choice.plan))
+        entry = {"current_step_time_s": current_s, "new_step_time_s": choice.new_step_time_s}
+        comeback.close()
+        if not choice.apply or key in self._refuted:
+            why = "the clock reverted this return" if choice.apply else choice.reason
+            self.record(trainer, {**entry, "kind": "return-kept", "reason": why})
+            return
+        previous = self.replanner.snapshot(strategy)
+        self.replanner.revert(trainer, strategy, left)
+        self.guard.begin(
+            trainer.global_step, {"kind": "return", "previous": previous, "key": key},
+            towards_plan=True,
+        )  # fmt: skip
+        self.record(trainer, {**entry, "kind": "return-applied", "reason": choice.reason})
 
     # -------------------------------------------------------------------- layout changes
     def new_monitor(self, strategy: AdaptableStrategy) -> None:
@@ -484,6 +545,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
             "refuted": self._refuted,
             "deferred": self._deferred,
             "floor_s": self.replanner.floor_s,
+            "comeback": self.comeback.state_dict(),
         }
 
     @override
@@ -507,6 +569,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         self._refuted = list(state_dict["refuted"])
         self._deferred = list(state_dict["deferred"])
         self.replanner.floor_s = state_dict.get("floor_s")
+        self.comeback.load_state_dict(state_dict.get("comeback"))
 
 
 def _setup_floor(strategy: AdaptableStrategy) -> float | None:

@@ -141,6 +141,13 @@ class ReplanHost(Protocol):
 
     def new_monitor(self, strategy: AdaptableStrategy) -> None: ...
 
+    def moved_away(
+        self,
+        strategy: AdaptableStrategy,
+        left: dict[str, Any],
+        replans: list[dict[str, Any]],
+    ) -> None: ...
+
     def record(self, trainer: pl.Trainer, entry: dict[str, Any]) -> None: ...
 
 
@@ -286,13 +293,7 @@ class Replanner:
         if not choice.apply or choice.plan is None or host.is_refuted(key):
             self.record(trainer, search.replans, "kept", f"{why}; {figures_line}", choice.to_dict())
             return False
-        previous = {
-            "plan": plan.to_dict(),
-            "profile": profile.to_dict(),
-            "split": host.split_state.split,
-            "base": host.split_state.base_microbatches,
-            "replanned": None if self.replanned is None else self.replanned.to_dict(),
-        }
+        previous = self.snapshot(strategy)
         origin = placement_key(strategy.current_plan())
         strategy.apply_plan(choice.plan, trainer)
         strategy.cluster_profile = search.observed
@@ -308,6 +309,7 @@ class Replanner:
         )
         host.split_state.split, host.split_state.base_microbatches = 1, strategy.num_microbatches
         host.new_monitor(strategy)
+        host.moved_away(strategy, previous, search.replans)
         host.guard.begin(
             step, {"kind": "replan", "previous": previous, "key": key}, towards_plan=False
         )
@@ -342,10 +344,24 @@ class Replanner:
         self.host.decisions.append(entry)
 
     # ----------------------------------------------------------------- revert, restore
+    def snapshot(self, strategy: AdaptableStrategy) -> dict[str, Any]:
+        """What :meth:`revert` restores: the running plan, its profile and split, and the record
+        of the re-plan in force."""
+        profile, plan = strategy.cluster_profile, strategy.plan
+        assert profile is not None and plan is not None
+        return {
+            "plan": plan.to_dict(),
+            "profile": profile.to_dict(),
+            "split": self.host.split_state.split,
+            "base": self.host.split_state.base_microbatches,
+            "replanned": None if self.replanned is None else self.replanned.to_dict(),
+        }
+
     def revert(
         self, trainer: pl.Trainer, strategy: AdaptableStrategy, previous: dict[str, Any]
     ) -> None:
-        """The clock refuted a re-plan: back to the plan, profile and split before it."""
+        """Back to the plan, profile and split of ``previous`` (:meth:`snapshot`): the clock
+        refuted a re-plan, or the links a re-plan left recovered."""
         from lightning_deepcee.planner import Plan
         from lightning_deepcee.profiler import ClusterProfile
 

@@ -29,7 +29,9 @@ from lightning_deepcee.adapter import (
     search_process,
     with_microbatches,
 )
+from lightning_deepcee.adapter.comeback import probe_bytes
 from lightning_deepcee.adapter.exchange import Exchanged
+from lightning_deepcee.callbacks import comeback as coming_back
 from lightning_deepcee.callbacks import replanner as replanning
 from lightning_deepcee.planner import Plan, predict_plan
 from lightning_deepcee.profiler import ClusterProfile, DeviceProfile
@@ -170,13 +172,15 @@ def run_adapter(
     """Train ``steps`` steps; at each the WAN runs at ``wan(step)`` of the profile (``wan_back``:
     the gradients' direction, if different), both senders of a direction share it (each at
     half), the receivers stamp their arrivals ``wire`` times as fast as that, and the step takes
-    ``world(..., the slower direction)`` times +-``noise``."""
+    ``world(..., the slower direction)`` times +-``noise``. The probes of links a re-plan left
+    (``adapter.comeback.pairs``) report one message per step at the link's rate."""
     rng = np.random.default_rng(seed)
     strategy = WorldStrategy(profile)
     adapter = DynamicEnvironmentAdapter(**adapter_args)
     gather = lambda out, obj: out.__setitem__(0, obj)  # noqa: E731
     monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
     monkeypatch.setattr(replanning, "SearchProcess", AtOnce)  # searches land on a known step
+    monkeypatch.setattr(coming_back, "open_link_probe", lambda pair, rank, size: None)
     trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=0)
     adapter.on_train_start(trainer, None)
     microbatches = []
@@ -187,6 +191,12 @@ def run_adapter(
         rows = [
             [s, d, BYTES, BYTES / (WAN * (forward if s < d else back) / 2) / wire(step, rng)]
             for s, d in plan_pairs(strategy.plan)
+        ]
+        # A link a re-plan left is probed alone: one message at the link's whole figure.
+        size = probe_bytes(WAN)
+        rows += [
+            [s, d, size, size / (WAN * (forward if s < d else back)) / wire(step, rng)]
+            for s, d in adapter.comeback.pairs
         ]
         fraction = min(forward, back)
         seconds = world(step, strategy, fraction) * rng.uniform(1 - noise, 1 + noise)

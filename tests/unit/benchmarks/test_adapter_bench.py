@@ -336,9 +336,11 @@ def test_reactions_run_from_the_drop_to_the_first_step_after_each_applied_move()
             "DeepCEE adapter: step 14 keep split of step 12: 2010 -> 1495 ms/step",
             "DeepCEE adapter: step 20 re-plan for link(s) net1->net0: kept (no plan can gain)",
             "DeepCEE adapter: step 30 re-plan for link(s) net0->net1, net1->net0: applied (32%)",
+            "DeepCEE adapter: step 34 return-applied: the link(s) left are back",
             "DeepCEE adapter: step 39 re-plan for link(s) net0->net1: applied (the last step)",
         ],
     }
-    # The drop at 120 s; the steps after 12 and 30 end at 126 and 162 s; none after 39.
-    assert bench.reactions_s(run, 120.0) == [6.0, 42.0]
+    # The drop at 120 s; the steps after 12 and 30 end at 126 and 162 s; none after 39. The
+    # return counts from the restore at 150 s: the step after 34 ends at 170 s.
+    assert bench.reactions_s(run, 120.0, 150.0) == [6.0, 42.0, 20.0]
     assert bench.reactions_s({"records": records}, 120.0) == []

@@ -1,0 +1,145 @@
+"""The adapter's come-back: probe the links a re-plan left, and know the plan to return to.
+
+:class:`ComeBack` belongs to the Lightning shim
+(:class:`~lightning_deepcee.callbacks.adapter.DynamicEnvironmentAdapter`). When a re-plan moves
+away from slowed links (``adapter/comeback.py``: :func:`abandoned_links`), it keeps what the move
+left (the plan, its profile and split, as a revert would restore them) and opens a probe on one
+pair of each such link (``runtime/probe.py``); the probes' samples ride in the per-step exchange
+(:attr:`pairs`, :meth:`records`), so every rank's :class:`ComeBackWatch` sees the same figures
+and all of them decide the return at the same step. Opening and closing probes are collective:
+every rank calls them at the same step. See docs/adapter.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from lightning_deepcee.adapter.comeback import (
+    ComeBackWatch,
+    abandoned_links,
+    choose_return,
+    probe_bytes,
+    restored_profile,
+)
+from lightning_deepcee.adapter.links import plan_pairs
+from lightning_deepcee.runtime.probe import open_link_probe
+
+if TYPE_CHECKING:
+    from lightning_deepcee.adapter.monitor import Link
+    from lightning_deepcee.callbacks.strategy_view import AdaptableStrategy
+    from lightning_deepcee.runtime.probe import LinkProbe
+    from lightning_deepcee.runtime.transport import TransferRecord
+
+__all__ = ["ComeBack"]
+
+OpenProbe = Callable[[tuple[int, int], int, int], "LinkProbe | None"]
+
+
+class ComeBack:
+    """The plan a re-plan left and the probes of the links it left (see the module docstring)."""
+
+    def __init__(self, open_probe: OpenProbe | None = None) -> None:
+        self._open = open_probe
+        """Opens one pair's probe (collective); ``None``: ``runtime.probe.open_link_probe``."""
+        self.left: dict[str, Any] | None = None
+        """What the move left: ``plan``, ``profile``, ``split``, ``base``, ``replanned`` (the
+        shape ``Replanner.revert`` restores)."""
+        self.watch: ComeBackWatch | None = None
+        self._probes: list[LinkProbe] = []
+        self.lost: list[str] = []
+        """Probes that ended on an error (a lost peer), described."""
+
+    @property
+    def pairs(self) -> list[Link]:
+        """The probed pairs (in the per-step exchange after the plan's own pairs)."""
+        return [] if self.watch is None else self.watch.probes
+
+    def moved_away(
+        self,
+        strategy: AdaptableStrategy,
+        left: dict[str, Any],
+        replans: Sequence[Mapping[str, Any]],
+        *,
+        window: int,
+        fast_threshold: float,
+    ) -> None:
+        """On every rank, after a move: keep what it left and probe the slowed links it left
+        (none: nothing to come back for)."""
+        self.close()
+        plan = strategy.current_plan()
+        links = abandoned_links(replans, plan_pairs(plan), plan.idle_ranks)
+        if not links:
+            return
+        self.left = left
+        self.watch = ComeBackWatch(links, window=window, fast_threshold=fast_threshold)
+        self._open_probes(strategy.global_rank)
+
+    def _open_probes(self, rank: int) -> None:
+        assert self.watch is not None
+        opener = self._open or open_link_probe
+        for link in self.watch.links:
+            probe = opener(link.probe, rank, probe_bytes(link.expected))
+            if probe is not None:
+                self._probes.append(probe)
+
+    def records(self) -> list[TransferRecord]:
+        """This rank's probe samples since the last call (as received transfers)."""
+        return [r for probe in self._probes for r in probe.take()]
+
+    def observe(self, rows: Sequence[Sequence[Any]]) -> None:
+        """One step's exchanged rows (the probed pairs' are used)."""
+        if self.watch is not None:
+            self.watch.observe(rows)
+
+    def due(self) -> bool:
+        """Some link left has recovered: time to consider the return."""
+        return self.watch is not None and bool(self.watch.recovered())
+
+    def choose(self, current_s: float, current_is: str) -> dict[str, Any]:
+        """The return's :class:`ReplanChoice` as a dict, with the restored profile
+        (``"profile"``); run on one rank and broadcast."""
+        from lightning_deepcee.planner import Plan
+        from lightning_deepcee.profiler import ClusterProfile
+
+        assert self.left is not None and self.watch is not None
+        restored = restored_profile(ClusterProfile.from_dict(self.left["profile"]), self.watch)
+        plan = Plan.from_dict(self.left["plan"])
+        choice = choose_return(plan, restored, current_s, current_is=current_is)
+        return {**choice.to_dict(), "profile": restored.to_dict()}
+
+    def close(self) -> None:
+        """On every rank at the same step: stop the probes and forget what was left."""
+        self.stop()
+        self.left, self.watch = None, None
+
+    def stop(self) -> None:
+        """On every rank at the same step: stop the probes (what was left is kept)."""
+        for probe in self._probes:
+            ended = probe.close()
+            if probe.error is not None or not ended:
+                self.lost.append(f"{probe.src}->{probe.dst}: {probe.error or 'did not stop'}")
+        self._probes = []
+
+    # -------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any] | None:
+        if self.watch is None or self.left is None:
+            return None
+        return {"left": self.left, "watch": self.watch.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Restore what was left; :meth:`reopen` starts the probes again at the train start."""
+        self.close()
+        if state:
+            self.left = dict(state["left"])
+            self.watch = ComeBackWatch.from_state_dict(state["watch"])
+
+    def reopen(self, strategy: AdaptableStrategy) -> None:
+        """On every rank at the train start after a resume: probe again, if anything was left
+        and the running layout is the one that left it (else forget it)."""
+        if self.watch is None or self._probes:
+            return
+        if set(self.pairs) & set(plan_pairs(strategy.current_plan())):
+            self.left, self.watch = None, None
+            return
+        self._open_probes(strategy.global_rank)

@@ -1,0 +1,222 @@
+"""Coming back: which links a move left, when a probed link has recovered, what the return is
+predicted on, and the adapter returning to the plan it left once the link is back (the
+end-to-end world of ``test_adapter_decisions``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from lightning_deepcee.adapter.comeback import (
+    Abandoned,
+    ComeBackWatch,
+    abandoned_links,
+    choose_return,
+    probe_bytes,
+    restored_profile,
+)
+from lightning_deepcee.adapter.contingency import choose_contingency
+from lightning_deepcee.adapter.gate import with_microbatches
+from lightning_deepcee.adapter.replan import LinkFigure, observed_profile
+from lightning_deepcee.callbacks.contingency import Contingencies
+from lightning_deepcee.planner import predict_plan
+from lightning_deepcee.profiler import ClusterProfile
+from tests.helpers.adapter_world import WAN, profile_at, run_adapter, world_plan, world_profile
+from tests.helpers.plans import hand_plan
+
+E = WAN
+
+
+def _decision(name: str, pairs: list[tuple[int, int]], old: float, new: float) -> dict:
+    return {
+        "kind": "replan", "name": name, "link": list(pairs[0]), "pairs": [list(p) for p in pairs],
+        "old_bandwidth": old, "new_bandwidth": new,
+    }  # fmt: skip
+
+
+FORWARD = _decision("net0->net1", [(0, 2), (1, 2)], E, E / 10)
+BACKWARD = _decision("net1->net0", [(2, 0), (2, 1)], 0.9 * E, E / 10)
+
+
+def test_a_link_and_its_reverse_are_one_link_left_probed_towards_an_idle_receiver() -> None:
+    (left,) = abandoned_links([BACKWARD, FORWARD], used=[(0, 1), (1, 0)], idle=[2])
+    assert left.pairs == ((0, 2), (1, 2), (2, 0), (2, 1))
+    assert left.probe == (0, 2)  # the idle device receives and stamps
+    assert left.expected == E  # the probed direction's figure before the fall
+    assert left.name == "net0->net1 + net1->net0"
+
+
+def test_links_the_new_plan_still_uses_or_that_got_faster_are_not_left() -> None:
+    assert abandoned_links([FORWARD], used=[(0, 2), (2, 0)], idle=[1]) == []
+    faster = _decision("net0->net1", [(0, 2)], E, 2 * E)
+    assert abandoned_links([faster], used=[], idle=[0, 1, 2]) == []
+
+
+def test_an_idle_sender_is_preferred_when_no_receiver_is_idle() -> None:
+    (left,) = abandoned_links([BACKWARD], used=[(0, 1)], idle=[2])
+    assert left.probe == (2, 0)
+
+
+def test_probe_size_is_a_tenth_of_a_second_within_bounds() -> None:
+    assert probe_bytes(E) == int(E * 0.1)
+    assert probe_bytes(1e3) == 256 * 2**10
+    assert probe_bytes(1e12) == 4 * 2**20
+    assert probe_bytes(0.0) == 256 * 2**10
+
+
+def _watch(window: int = 5) -> ComeBackWatch:
+    link = Abandoned(name="net0->net1", pairs=((0, 2), (2, 0)), probe=(0, 2), expected=E)
+    return ComeBackWatch([link], window=window, fast_threshold=1.25)
+
+
+def _sample(watch: ComeBackWatch, bandwidth: float, pair: tuple[int, int] = (0, 2)) -> None:
+    watch.observe([[pair[0], pair[1], 1_000_000, 1_000_000 / bandwidth]])
+
+
+def test_a_link_recovers_once_its_window_median_is_back_above_the_threshold() -> None:
+    watch = _watch()
+    for _ in range(10):
+        _sample(watch, E / 10)
+    assert watch.recovered() == []
+    for _ in range(3):
+        assert watch.recovered() == []  # most of the window still holds slow samples
+        _sample(watch, 0.9 * E)
+    assert [a.probe for a in watch.recovered()] == [(0, 2)]  # its median is back
+
+
+def test_a_minority_of_fast_samples_or_other_pairs_do_not_recover_it() -> None:
+    watch = _watch()
+    for i in range(20):
+        _sample(watch, E if i % 3 == 0 else E / 10)
+        _sample(watch, E, pair=(1, 2))  # not the probed pair
+    assert watch.recovered() == []
+    for _ in range(5):
+        _sample(watch, 0.75 * E)  # below E / 1.25: not back yet
+    assert watch.recovered() == []
+
+
+def test_the_watch_survives_a_checkpoint() -> None:
+    watch = _watch()
+    for bandwidth in (E / 10, E, E, E, E):
+        _sample(watch, bandwidth)
+    restored = ComeBackWatch.from_state_dict(json.loads(json.dumps(watch.state_dict())))
+    assert restored.state_dict() == watch.state_dict()
+    _sample(watch, E)
+    _sample(restored, E)
+    assert restored.recovered() == watch.recovered() != []
+
+
+def test_the_return_is_predicted_on_the_profile_left_with_the_probed_figures() -> None:
+    profile = world_profile()
+    watch = ComeBackWatch(
+        abandoned_links([FORWARD, BACKWARD], used=[(0, 1), (1, 0)], idle=[2]),
+        window=3,
+        fast_threshold=1.25,
+    )
+    for _ in range(3):
+        _sample(watch, E / 2)
+    half = restored_profile(profile, watch)
+    assert half == profile_at(0.5)  # both directions at the probe's ratio
+    for _ in range(3):
+        _sample(watch, 0.95 * E)
+    assert restored_profile(profile, watch) == profile  # recovered: the figures left
+    plan = world_plan()
+    predicted = predict_plan(profile, plan).step_time_s
+    slower = choose_return(plan, profile, 2 * predicted, current_is="is predicted")
+    assert slower.apply and slower.new_step_time_s == pytest.approx(predicted)
+    assert not choose_return(plan, profile, 0.9 * predicted, current_is="is predicted").apply
+
+
+def _cut(step: int) -> float:
+    return 0.05 if 60 <= step < 120 else 1.0
+
+
+FAST = 1e8  # a WAN fast enough for the world's plan to beat a plan without it
+SOLO = hand_plan(
+    [((0, 6), (0,), (1.0,))], global_batch_size=32, num_microbatches=1,
+    model_fingerprint="model", cluster_fingerprint="cluster", idle_ranks=(1, 2),
+)  # fmt: skip
+
+
+def _fast_at(fraction: float) -> ClusterProfile:
+    pairs = ((0, 2), (1, 2), (2, 0), (2, 1))
+    figures = [
+        LinkFigure(link=p, expected_bandwidth=FAST, measured_bandwidth=FAST * fraction,
+                   state="degraded" if fraction < 1 else "normal")
+        for p in pairs
+    ]  # fmt: skip
+    return observed_profile(world_profile(FAST), figures)[0]
+
+
+def _fast_world(step: int, strategy: Any, fraction: float) -> float:
+    running = with_microbatches(strategy.plan, strategy.num_microbatches)
+    return float(predict_plan(_fast_at(fraction), running).step_time_s)
+
+
+def _ahead_is_solo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan searched ahead is SOLO (device 0 alone): far slower than the world's plan on the
+    whole link, far faster at a twentieth of it."""
+
+    def choose(self: Any, strategy: Any, observed: Any, current_s: float, gain: float) -> dict:
+        current = strategy.current_plan()
+        choice = choose_contingency(
+            observed, current, current_s, [("net0<->net1", SOLO)], gain=gain
+        )
+        return {} if choice is None else choice.to_dict()
+
+    monkeypatch.setattr(Contingencies, "choose", choose)
+
+
+def test_after_a_severe_drop_the_adapter_returns_once_the_link_is_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _ahead_is_solo(monkeypatch)
+    profile = world_profile(FAST)
+    assert predict_plan(profile, world_plan()).step_time_s < predict_plan(profile, SOLO).step_time_s
+    run = run_adapter(monkeypatch, 200, _cut, _fast_world, profile=profile)
+    (moved,) = run.kinds("replan-applied")
+    (back,) = run.kinds("return-applied")
+    # The probe's window (5 samples) has a majority of samples of the restored link 3 steps
+    # after it is back, and the figures land a step later.
+    assert back["step"] == 120 + 3
+    assert back["new_step_time_s"] < back["current_step_time_s"]
+    assert run.strategy.moves == [SOLO, world_plan()]
+    assert run.strategy.cluster_profile == profile  # the figures left: the link is back
+    assert [d["action"] for d in run.kinds("confirmed")] == ["replan", "return"]
+    assert run.adapter.comeback.pairs == [] and run.adapter.replanner.replanned is None
+    assert moved["step"] < back["step"]
+
+
+def test_no_return_while_the_link_stays_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    _ahead_is_solo(monkeypatch)
+    run = run_adapter(
+        monkeypatch, 200, lambda step: 0.05 if step >= 60 else 1.0, _fast_world,
+        profile=world_profile(FAST),
+    )  # fmt: skip
+    assert len(run.kinds("replan-applied")) == 1 and run.kinds("return-applied") == []
+    assert run.adapter.comeback.pairs == [(1, 2)]  # still probed, between two idle devices
+
+
+def test_a_return_the_model_does_not_favour_is_kept_and_probing_stops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # In the plain world the plan searched ahead (devices 0 and 1) beats the world's plan also on
+    # the whole link: once the link is back, the model keeps it, and the link is no longer probed.
+    run = run_adapter(monkeypatch, 200, _cut)
+    (kept,) = run.kinds("return-kept")
+    assert kept["step"] == 120 + 3
+    assert kept["new_step_time_s"] > kept["current_step_time_s"]
+    assert run.kinds("return-applied") == [] and run.adapter.comeback.pairs == []
+    assert len(run.strategy.moves) == 1
+
+
+def test_what_was_left_survives_a_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    run = run_adapter(monkeypatch, 100, lambda step: 0.05 if step >= 60 else 1.0)
+    state = json.loads(json.dumps(run.adapter.state_dict()))
+    assert state["comeback"]["left"]["plan"] == world_plan().to_dict()
+    again = run_adapter(monkeypatch, 1)
+    again.adapter.load_state_dict(state)
+    assert again.adapter.comeback.state_dict() == state["comeback"]
+    assert ClusterProfile.from_dict(state["comeback"]["left"]["profile"]) == world_profile()
