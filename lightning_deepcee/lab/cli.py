@@ -82,6 +82,8 @@ def _describe(topology: Topology, trace: Trace | None) -> str:
         lines.append(f"  trace t={e.at_s:g}s {'-'.join(e.link)} -> {e.bandwidth_mbit:g} Mbit/s")
     for k in trace.device_events if trace else ():
         lines.append(f"  trace t={k.at_s:g}s {k.action} {k.device}")
+    for c in trace.cpu_events if trace else ():
+        lines.append(f"  trace t={c.at_s:g}s {c.device} cpu -> {c.cpu:g}")
     return "\n".join(lines)
 
 

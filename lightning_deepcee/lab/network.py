@@ -414,6 +414,24 @@ class LabNetwork:
             return self.exec_in(device, tc, timeout_s=10)
         return subprocess.run(tc, capture_output=True, text=True, timeout=10, check=False)
 
+    def set_cpu(self, device: str, cpu: float) -> None:
+        """Change ``device``'s CFS quota to ``cpu`` (a fraction of all the machine's cores, as the
+        topology's ``cpu``) at its current period; its processes keep running."""
+        _, period_us = self._cfs(device)
+        quota_us = round(period_us * cpu * (os.cpu_count() or 1))
+        if not 0 < cpu <= 1 or quota_us < 1000:
+            raise ValueError(
+                f"device {device}: cpu {cpu:g} gives a quota of {quota_us / 1000:.2f} ms per "
+                f"{period_us / 1000:g} ms period; it must be in (0, 1] and at least the "
+                "kernel's 1 ms"
+            )
+        for directory in cgroup_dirs(device):
+            quota = directory / "cpu.cfs_quota_us"
+            if quota.exists():
+                quota.write_text(str(quota_us))
+                return
+        raise RuntimeError(f"no cpu cgroup for {device!r}")
+
     def cpu_quota(self, device: str) -> float:
         """The host's CFS quota in cores (quota / period), e.g. 0.4 for cpu=0.2 on 2 cores."""
         quota_us, period_us = self._cfs(device)

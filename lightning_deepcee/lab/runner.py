@@ -41,7 +41,7 @@ from typing import IO, Any
 
 from lightning_deepcee.lab.network import LabNetwork
 from lightning_deepcee.lab.topology import find_named
-from lightning_deepcee.lab.trace import DeviceEvent, Trace, TraceEvent
+from lightning_deepcee.lab.trace import CpuEvent, DeviceEvent, Trace, TraceEvent
 
 __all__ = [
     "DeviceResult", "DeviceState", "LabControl", "LabResult", "RunConfig", "device_argv",
@@ -547,19 +547,22 @@ def _supervise(
     fleet: LabControl, trace: Trace, control: Callable[[LabControl], None] | None
 ) -> None:
     config, result, say = fleet.config, fleet.result, fleet.say
-    both: list[TraceEvent | DeviceEvent] = [*trace.events, *trace.device_events]
-    pending = sorted(both, key=lambda e: e.at_s)
+    pending = trace.in_order()
     failed_at: float | None = None
     while True:
         elapsed = fleet.elapsed_s
         while pending and pending[0].at_s <= elapsed:
             event = pending.pop(0)
-            if isinstance(event, TraceEvent):
-                fleet.net.set_bandwidth(event.link, event.bandwidth_mbit)
+            if isinstance(event, TraceEvent | CpuEvent):
+                if isinstance(event, TraceEvent):
+                    fleet.net.set_bandwidth(event.link, event.bandwidth_mbit)
+                    what = f"link {'-'.join(event.link)} -> {event.bandwidth_mbit:g} Mbit/s"
+                else:
+                    fleet.net.set_cpu(event.device, event.cpu)
+                    what = f"{event.device} cpu -> {event.cpu:g}"
                 applied = {**event.to_dict(), "applied_at_s": round(fleet.elapsed_s, 3)}
                 result.trace_applied.append(applied)
-                link = "-".join(event.link)
-                say(f"t={elapsed:.1f}s trace: link {link} -> {event.bandwidth_mbit:g} Mbit/s")
+                say(f"t={elapsed:.1f}s trace: {what}")
             elif event.action == "kill":
                 fleet.kill(event.device, "trace", event.at_s)
             elif fleet.running(event.device):  # a control started it already

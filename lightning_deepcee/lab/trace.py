@@ -7,12 +7,15 @@ A trace YAML is a list of events (or a mapping with an ``events`` list)::
     - {at_s: 60, device: edge0, action: kill}               # SIGKILL every process of edge0
     - {at_s: 90, link: [cloud, edge], bandwidth_mbit: 100}
     - {at_s: 120, device: edge0, action: start}             # run edge0's command again
+    - {at_s: 150, device: edge1, cpu: 0.05}                 # edge1's CPU quota, as in topology
 
 ``at_s`` counts from the moment the command starts on every device. Latency, loss and jitter are
-refused (no netem on this kernel). An event is either a bandwidth change (``link`` and
-``bandwidth_mbit``, checked against :class:`TraceEventEntry`) or a device event (``device`` and
-``action``, checked against :class:`DeviceEventEntry`), never both; the schema loader (omegaconf)
-checks keys and types, ranges and names are checked after. Nothing here imports Mininet.
+refused (no netem on this kernel). An event is a bandwidth change (``link`` and
+``bandwidth_mbit``, checked against :class:`TraceEventEntry`), a device event (``device`` and
+``action``, checked against :class:`DeviceEventEntry`) or a CPU change (``device`` and ``cpu``,
+:class:`CpuEventEntry`: another tenant taking part of the device, or leaving), one kind each;
+the schema loader (omegaconf) checks keys and types, ranges and names are checked after.
+Nothing here imports Mininet.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from lightning_deepcee.profiler.schema import load_structured
 
 __all__ = [
     "DEVICE_ACTIONS",
+    "CpuEvent",
+    "CpuEventEntry",
     "DeviceEvent",
     "DeviceEventEntry",
     "Trace",
@@ -82,16 +87,31 @@ class DeviceEvent:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CpuEvent:
+    """At ``at_s`` seconds, set ``device``'s CPU quota to ``cpu`` (a fraction of all the
+    machine's cores, as the topology's ``cpu``); its processes keep running."""
+
+    at_s: float
+    device: str
+    cpu: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"at_s": self.at_s, "device": self.device, "cpu": self.cpu}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Trace:
-    """Bandwidth events and device events, each sorted by time (stable for equal times)."""
+    """Bandwidth, device and CPU events, each sorted by time (stable for equal times)."""
 
     events: tuple[TraceEvent, ...] = ()
     """Bandwidth changes."""
     device_events: tuple[DeviceEvent, ...] = ()
     """Kills and starts (kept apart so that ``events`` keeps meaning bandwidth changes)."""
+    cpu_events: tuple[CpuEvent, ...] = ()
+    """CPU quota changes."""
 
     def __post_init__(self) -> None:
-        for name in ("events", "device_events"):
+        for name in ("events", "device_events", "cpu_events"):
             events = getattr(self, name)
             if [e.at_s for e in events] != sorted(e.at_s for e in events):
                 object.__setattr__(self, name, tuple(sorted(events, key=lambda e: e.at_s)))
@@ -99,9 +119,22 @@ class Trace:
     def validate(self, topology: Topology) -> None:
         """Raise ValueError naming the event whose link or device is not in ``topology``, or
         whose action cannot happen then (a kill of a device already killed, a start of one
-        still running: every device runs from t=0)."""
+        still running: every device runs from t=0), or a CPU change that would give the devices
+        more than the machine (their ``cpu`` sums above 1)."""
         for i, link_event in enumerate(self.events):
             topology.resolve_link(link_event.link, where=f"trace[{i}].link")
+        cpu = {d.name: d.cpu for d in topology.devices}
+        for change in self.cpu_events:
+            where = f"trace event {{at_s: {change.at_s:g}, device: {change.device}, cpu: "
+            where += f"{change.cpu:g}}}"
+            if change.device not in cpu:
+                raise ValueError(f"{where}: no device {change.device!r} in the topology")
+            cpu[change.device] = change.cpu
+            if sum(cpu.values()) > 1.0 + 1e-9:
+                raise ValueError(
+                    f"{where}: the devices' cpu would sum to {sum(cpu.values()):.3f} > 1.0 (a "
+                    "fraction of ALL the machine's cores); lower another device first"
+                )
         killed: set[str] = set()
         for event in self.device_events:
             where = f"trace event {{at_s: {event.at_s:g}, device: {event.device}, "
@@ -122,9 +155,15 @@ class Trace:
                     "t=0); kill it first"
                 )
 
+    def in_order(self) -> list[TraceEvent | DeviceEvent | CpuEvent]:
+        """Every event, sorted by time (stable: for equal times, bandwidth, device, CPU)."""
+        every: list[TraceEvent | DeviceEvent | CpuEvent] = [
+            *self.events, *self.device_events, *self.cpu_events,
+        ]  # fmt: skip
+        return sorted(every, key=lambda e: e.at_s)
+
     def to_list(self) -> list[dict[str, Any]]:
-        both: list[TraceEvent | DeviceEvent] = [*self.events, *self.device_events]
-        return [e.to_dict() for e in sorted(both, key=lambda e: e.at_s)]
+        return [e.to_dict() for e in self.in_order()]
 
     @classmethod
     def from_data(cls, data: Any) -> Trace:
@@ -145,6 +184,7 @@ class Trace:
         return cls(
             events=tuple(e for e in parsed if isinstance(e, TraceEvent)),
             device_events=tuple(e for e in parsed if isinstance(e, DeviceEvent)),
+            cpu_events=tuple(e for e in parsed if isinstance(e, CpuEvent)),
         )
 
 
@@ -167,14 +207,32 @@ class DeviceEventEntry:
 
 
 @dataclass(kw_only=True)
+class CpuEventEntry:
+    """The keys and types of one CPU change in a trace file."""
+
+    at_s: float
+    device: str
+    cpu: float
+
+
+@dataclass(kw_only=True)
 class TraceFile:
     """A trace written as a mapping: only ``events`` (a list of :class:`TraceEventEntry`)."""
 
     events: list[Any] | None = None
 
 
-def _any_event(entry: Any, where: str) -> TraceEvent | DeviceEvent:
+def _any_event(entry: Any, where: str) -> TraceEvent | DeviceEvent | CpuEvent:
     keys = set(entry) if isinstance(entry, Mapping) else set()
+    if "cpu" in keys and not keys & (_LINK_KEYS | {"action"}):
+        change = load_structured(CpuEventEntry, entry, key=where)
+        _check_at(change.at_s, where)
+        if not 0 < change.cpu <= 1:
+            raise ValueError(
+                f"{where}.cpu={change.cpu:g} must be a fraction of all cores in (0, 1], as the "
+                "topology's cpu"
+            )
+        return CpuEvent(at_s=change.at_s, device=change.device, cpu=change.cpu)
     if not keys & _DEVICE_KEYS:
         return _event(entry, where)  # a bandwidth event (or the loader's error for one)
     if keys & _LINK_KEYS:

@@ -71,6 +71,14 @@ def test_build_shape_trace_and_teardown(lab_store: StateStore, tmp_path: Path) -
         assert abs(measured - 8) <= TOLERANCE * 8
         assert net.rate_mbit("dlab0-to1") == pytest.approx(8)
         assert net.rate_mbit("dlab1-to0") == pytest.approx(8)
+
+        # Another tenant takes most of cloud0: its quota changes while its processes run.
+        trace = Trace.from_data([{"at_s": 0, "device": "cloud0", "cpu": 0.1}])
+        trace.validate(topology)
+        _measure(net, tmp_path / "cpu", trace)
+        assert net.cpu_quota("cloud0") == pytest.approx(0.1 * cores, rel=0.01)
+        with pytest.raises(ValueError, match="kernel's 1 ms"):
+            net.set_cpu("cloud0", 0.001)
     assert leftovers(record) == []
     assert not lab_store.path.exists()
     for name in (*net.plan.switches, *net.plan.root_interfaces):
