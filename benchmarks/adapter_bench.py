@@ -20,6 +20,10 @@ Runs the same training twice on the lab under the same bandwidth trace, once wit
   (``--profile`` profiles at setup in both arms, so the adapter can predict and act); give
   ``--trace``.
 
+``--jitter J`` makes a noise trace instead of a drop: from ``--drop-at-s`` to ``--restore-at-s``
+the link alternates between ``1 + J`` and ``1 - J`` times its bandwidth every
+``--jitter-period-s``; the middle phase is called ``jitter``, and the right response is none.
+
 An ``oracle`` arm (``--modes off,on,oracle``, planned layout only) is the static run of the plan
 made for the degraded network: the planner's search on ``profile.json`` with every pair whose
 path crosses the degraded link read at the degraded rate (:func:`degraded_profile`), written to
@@ -179,6 +183,50 @@ def make_trace(
     ]
 
 
+def jitter_trace(
+    topology: Any,
+    link: tuple[str, str],
+    start_s: float,
+    end_s: float,
+    jitter: float,
+    period_s: float,
+) -> list[dict[str, Any]]:
+    """``link`` alternates between ``1 + jitter`` and ``1 - jitter`` times its configured
+    bandwidth every ``period_s`` from ``start_s``, and is back at it at ``end_s``: noise around
+    the planned figure, to which the right response is none."""
+    if not 0 < jitter < 1:
+        raise ValueError(f"--jitter must be in (0, 1), got {jitter}")
+    if not period_s > 0 or not 0 <= start_s < end_s:
+        raise ValueError(
+            f"expected --jitter-period-s > 0 and 0 <= --drop-at-s < --restore-at-s, got "
+            f"{period_s}, {start_s}, {end_s}"
+        )
+    mbit = topology.wan_link(*link).mbit
+    count = int((end_s - start_s) // period_s + (1 if (end_s - start_s) % period_s else 0))
+    events = [
+        {"at_s": round(start_s + k * period_s, 3), "link": list(link),
+         "bandwidth_mbit": round(mbit * (1 + jitter if k % 2 == 0 else 1 - jitter), 3)}
+        for k in range(count)
+    ]  # fmt: skip
+    return [*events, {"at_s": end_s, "link": list(link), "bandwidth_mbit": mbit}]
+
+
+def slow_trace(
+    topology: Any, device: str, start_s: float, end_s: float, factor: float
+) -> list[dict[str, Any]]:
+    """Two events: ``device`` keeps ``1 / factor`` of its CPU quota from ``start_s`` (another
+    tenant takes the rest), and gets it back at ``end_s``."""
+    if not factor > 1:
+        raise ValueError(f"--slow-factor must be above 1, got {factor}")
+    if not 0 <= start_s < end_s:
+        raise ValueError(f"expected 0 <= --drop-at-s < --restore-at-s, got {start_s}, {end_s}")
+    cpu = topology.device(device).cpu
+    return [
+        {"at_s": start_s, "device": device, "cpu": round(cpu / factor, 6)},
+        {"at_s": end_s, "device": device, "cpu": cpu},
+    ]
+
+
 def degraded_profile(profile: Any, topology: Any, changes: dict[tuple[str, str], float]) -> Any:
     """``profile`` as the links would read with the WAN links of ``changes`` (``(region,
     region)``, names sorted -> Mbit/s) at their new rates: each pair's measured bandwidth scaled
@@ -204,13 +252,27 @@ def degraded_profile(profile: Any, topology: Any, changes: dict[tuple[str, str],
     return dataclasses.replace(profile, bandwidth_bytes_per_s=tuple(rows))
 
 
+def degraded_devices(trace: list[dict[str, Any]], topology: Any) -> dict[int, float]:
+    """The devices whose CPU the first event of ``trace`` lowers, by rank: how many times as
+    long each then computes (its configured ``cpu`` over the new one); the oracle plans for
+    them."""
+    first = min(event["at_s"] for event in trace)
+    names = [device.name for device in topology.devices]
+    return {
+        names.index(event["device"]): topology.device(event["device"]).cpu / float(event["cpu"])
+        for event in trace
+        if event["at_s"] == first and "cpu" in event
+    }
+
+
 def degraded_links(trace: list[dict[str, Any]], topology: Any) -> dict[tuple[str, str], float]:
     """The WAN links the first event of ``trace`` (the drop) sets, with their rates; the
-    oracle plans for them. Raises SystemExit for an event on anything but a WAN link."""
+    oracle plans for them (with the devices of :func:`degraded_devices`). Raises SystemExit for
+    an event on anything but a WAN link or a device's CPU."""
     first = min(event["at_s"] for event in trace)
     out: dict[tuple[str, str], float] = {}
     for event in trace:
-        if event["at_s"] != first:
+        if event["at_s"] != first or "cpu" in event:
             continue
         kind, a, b = topology.resolve_link(event["link"])
         if kind != "wan" or "bandwidth_mbit" not in event:
@@ -228,11 +290,13 @@ def oracle_plan(
 ) -> dict[str, Any]:  # fmt: skip
     """Search the plan for the degraded network (the strategy's defaults on the degraded
     profile, for the static plan's global batch), write it to ``path`` and return it."""
+    from lightning_deepcee.adapter.compute import observed_compute
     from lightning_deepcee.planner import Plan, plan_search
     from lightning_deepcee.profiler import ClusterProfile
 
     profile = ClusterProfile.from_json(profile_path)
     degraded = degraded_profile(profile, topology, degraded_links(trace, topology))
+    degraded, _ = observed_compute(degraded, degraded_devices(trace, topology))
     found = plan_search(
         degraded,
         num_blocks=degraded.num_blocks,
@@ -249,12 +313,43 @@ def oracle_plan(
 # =============================================================================== harness side
 
 
-def _phases(trace: list[dict[str, Any]], end_s: float) -> list[tuple[str, float, float]]:
-    """(name, start, end) of normal / degraded / recovered from a two-event trace."""
-    if len(trace) != 2:
+def _phases(
+    trace: list[dict[str, Any]], end_s: float, middle: str = "degraded"
+) -> list[tuple[str, float, float]]:
+    """(name, start, end) of normal / ``middle`` / recovered: before the trace's first event,
+    up to its last, after it. A drop trace has two events (drop, restore); a jitter trace
+    (``middle="jitter"``) has any number."""
+    if len(trace) < 2 or (middle == "degraded" and len(trace) != 2):
         raise SystemExit("the adapter benchmark expects a trace of two events: drop, restore")
-    drop, restore = sorted(e["at_s"] for e in trace)
-    return [("normal", 0.0, drop), ("degraded", drop, restore), ("recovered", restore, end_s)]
+    times = sorted(e["at_s"] for e in trace)
+    first, last = times[0], times[-1]
+    return [("normal", 0.0, first), (middle, first, last), ("recovered", last, end_s)]
+
+
+def describe_trace(cfg: dict[str, Any]) -> str:
+    """The trace in words: a jitter trace as its pattern, any other as its events."""
+    trace = cfg["trace"]
+    if "cpu" in trace[0]:
+        first, last = trace[0], trace[-1]
+        return (
+            f"trace: {first['device']} keeps {first['cpu'] / last['cpu']:.2g} of its CPU quota "
+            f"({first['cpu']:g} of {last['cpu']:g} of the machine) from {first['at_s']:g} to "
+            f"{last['at_s']:g} s"
+        )
+    if not cfg.get("jitter"):
+        return f"trace {trace}"
+    first, last = trace[0], trace[-1]
+    period = trace[1]["at_s"] - first["at_s"] if len(trace) > 2 else last["at_s"] - first["at_s"]
+    return (
+        f"trace: link {'-'.join(first['link'])} alternating between {1 + cfg['jitter']:g}x and "
+        f"{1 - cfg['jitter']:g}x its {last['bandwidth_mbit']:g} Mbit/s every {period:g} s from "
+        f"{first['at_s']:g} to {last['at_s']:g} s"
+    )
+
+
+def config_phases(cfg: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """The phases of a stored result's config."""
+    return _phases(cfg["trace"], cfg["end_s"], "jitter" if cfg.get("jitter") else "degraded")
 
 
 def _rate(
@@ -345,7 +440,7 @@ def _trace_for_plan(
     used = plan_wan_links(plan, topology)
     if args.trace is not None:
         trace = load_trace(args.trace, topology).to_list()
-        touched = {tuple(sorted(e["link"])) for e in trace}
+        touched = {tuple(sorted(e["link"])) for e in trace if "link" in e}
         if not touched & set(used):
             print(
                 f"[adapter-bench] warning: the trace changes {sorted(touched)} but the plan's "
@@ -353,6 +448,20 @@ def _trace_for_plan(
                 flush=True,
             )
         return args.trace, trace
+    path = folder / "trace.yaml"
+    if args.slow_device is not None:
+        ranks = {r for stage in plan["stages"] for r in stage["ranks"]}
+        names = [device.name for device in topology.devices]
+        if args.slow_device not in names or names.index(args.slow_device) not in ranks:
+            raise SystemExit(
+                f"[adapter-bench] --slow-device {args.slow_device}: the plan trains on "
+                f"{sorted(names[r] for r in ranks)}; slowing another device changes nothing"
+            )
+        trace = slow_trace(
+            topology, args.slow_device, args.drop_at_s, args.restore_at_s, args.slow_factor
+        )
+        path.write_text(yaml.safe_dump(trace, default_flow_style=None, sort_keys=False))
+        return path, trace
     link: tuple[str, str]
     if args.link is not None:
         ends = sorted(args.link.split(","))
@@ -366,8 +475,12 @@ def _trace_for_plan(
             "[adapter-bench] the plan's traffic crosses no WAN link (it keeps to one region): a "
             "WAN trace cannot reach it; use another topology or --layout manual with --trace"
         )
-    trace = make_trace(topology, link, args.drop_at_s, args.restore_at_s, args.drop_factor)
-    path = folder / "trace.yaml"
+    if args.jitter is not None:
+        trace = jitter_trace(
+            topology, link, args.drop_at_s, args.restore_at_s, args.jitter, args.jitter_period_s
+        )
+    else:
+        trace = make_trace(topology, link, args.drop_at_s, args.restore_at_s, args.drop_factor)
     path.write_text(yaml.safe_dump(trace, default_flow_style=None, sort_keys=False))
     return path, trace
 
@@ -387,6 +500,19 @@ def harness_main(argv: list[str]) -> int:
     p.add_argument("--drop-at-s", type=float, default=70.0)
     p.add_argument("--restore-at-s", type=float, default=150.0)
     p.add_argument("--drop-factor", type=float, default=0.5, help="of the link's bandwidth")
+    p.add_argument(
+        "--jitter",
+        type=float,
+        help="instead of a drop: the link alternates between 1 + J and 1 - J times its "
+        "bandwidth every --jitter-period-s, from --drop-at-s to --restore-at-s",
+    )
+    p.add_argument("--jitter-period-s", type=float, default=10.0)
+    p.add_argument(
+        "--slow-device",
+        help="instead of a link: this device keeps 1/--slow-factor of its CPU quota from "
+        "--drop-at-s to --restore-at-s (another tenant)",
+    )
+    p.add_argument("--slow-factor", type=float, default=3.0)
     p.add_argument("--fresh-plan", action="store_true", help="profile and plan again")
     p.add_argument("--profile-budget-s", type=float, default=300.0)
     p.add_argument("--size", default="tiny")
@@ -424,6 +550,8 @@ def harness_main(argv: list[str]) -> int:
         p.error(f"--modes: expected arms of off, on and oracle, got {args.modes!r}")
     if "oracle" in modes and args.layout != "plan":
         p.error("--modes oracle needs --layout plan (the oracle is the planner's plan)")
+    if args.jitter is not None and ("oracle" in modes or args.layout != "plan"):
+        p.error("--jitter needs --layout plan and no oracle arm (noise has no plan of its own)")
     from lightning_deepcee.lab.topology import load_topology
     from lightning_deepcee.lab.trace import load_trace
 
@@ -456,13 +584,14 @@ def harness_main(argv: list[str]) -> int:
         trace_path, trace = args.trace, load_trace(args.trace, topology).to_list()
         arm = ["--microbatches", str(args.microbatches), "--schedule", args.schedule,
                *(["--profile"] if args.profile else [])]  # fmt: skip
-    phases = _phases(trace, args.end_s)
+    phases = _phases(trace, args.end_s, "jitter" if args.jitter is not None else "degraded")
     if not args.report_only:
         arms = {"off": arm, "on": arm, **arms}
     result["config"] = dict(
         topology=str(args.topology), trace=trace, size=args.size, global_batch=args.global_batch,
         microbatches=args.microbatches, schedule=args.schedule, end_s=args.end_s,
         skip_s=args.skip_s, settle=args.settle, profile=args.profile,
+        **({} if args.jitter is None else {"jitter": args.jitter}),
     )  # fmt: skip
     if planned:
         result["config"].update(layout="plan", plan=plan)
@@ -537,7 +666,7 @@ def phase_median(runs: list[dict[str, Any]], phase: str, key: str) -> float | No
 def render(result: dict[str, Any]) -> str:
     """The Markdown of ``<name>.md`` (``benchmarks/report.py`` renders it too)."""
     cfg = result["config"]
-    phases = _phases(cfg["trace"], cfg["end_s"])
+    phases = config_phases(cfg)
     off_runs, on_runs = mode_runs(result, "off"), mode_runs(result, "on")
     oracle_runs = mode_runs(result, "oracle")
     if cfg.get("layout") == "plan":
@@ -568,7 +697,7 @@ def render(result: dict[str, Any]) -> str:
         )
         oracle_head = " settled oracle | share |"
     lines = [
-        f"{when}Topology `{Path(cfg['topology']).stem}`, trace {cfg['trace']}, GPT "
+        f"{when}Topology `{Path(cfg['topology']).stem}`, {describe_trace(cfg)}, GPT "
         f"`{cfg['size']}`, global batch {cfg['global_batch']}, {layout}; samples/s count each "
         f"step from the end of the one before; the normal phase is counted from "
         f"{cfg['skip_s']} s (after set-up); "
@@ -626,8 +755,10 @@ def render(result: dict[str, Any]) -> str:
         )
         lines += [
             "",
-            f"Reaction of each move the adapter applied (a split or a re-plan), from the drop at "
-            f"{drop_s:g} s{returns} to the end of the first step after it: {listed}.",
+            f"Reaction of each move the adapter applied (a split or a re-plan), from the "
+            f"{'drop' if phases[1][0] == 'degraded' else 'first change'} at {drop_s:g} "
+            f"s{returns} to the end of the first step after it: {listed}.",
+            *after_reaction(result, phases),
         ]
     for i, run in enumerate(on_runs):
         if run.get("decisions"):
@@ -656,6 +787,81 @@ def reactions_s(run: dict[str, Any], drop_s: float, restore_s: float | None = No
         if after is not None and after["end_s"] > start_s:
             out.append(round(after["end_s"] - start_s, 1))
     return out
+
+
+def move_ends(run: dict[str, Any]) -> list[float]:
+    """The end of the first step after each move the adapter applied (the trace's clock)."""
+    records = sorted(run.get("records", []), key=lambda r: r["step"])
+    ends = []
+    for decision in run.get("decisions", []):
+        found = _APPLIED.search(decision)
+        after = None if found is None else next(
+            (r for r in records if r["step"] > int(found.group(1))), None
+        )  # fmt: skip
+        if after is not None:
+            ends.append(float(after["end_s"]))
+    return ends
+
+
+def after_reaction(result: dict[str, Any], phases: list[tuple[str, float, float]]) -> list[str]:
+    """A table of each changed phase's samples/s after the adapter's reaction: per adapter run
+    from the end of the first step after its last move in the phase (the phase's start if it
+    made none) to the phase's end; the static and oracle arms over the same window, starting at
+    the median of the adapter runs' offsets into the phase."""
+    cfg, gb = result["config"], int(result["config"]["global_batch"])
+    arms = {mode: mode_runs(result, mode) for mode in ("off", "on", "oracle")}
+    rows = []
+    for name, start, end in phases[1:]:
+        offsets = []
+        for run in arms["on"]:
+            moved = [t for t in move_ends(run) if start <= t < end]
+            offsets.append((max(moved) if moved else start) - start)
+        if not offsets:
+            continue
+        offset = statistics.median(offsets)
+        rates: dict[str, float | None] = {}
+        for mode, runs in arms.items():
+            values = []
+            for i, run in enumerate(runs):
+                begin = start + (offsets[i] if mode == "on" and i < len(offsets) else offset)
+                records = with_spans(run.get("records", []))
+                steps = [r for r in records if begin <= r["end_s"] < end]
+                rate = _rate(steps, records, begin, end, gb)
+                if rate is not None:
+                    values.append(rate)
+            rates[mode] = statistics.median(values) if values else None
+        rows.append((name, offset, end - start, rates))
+    if not rows:
+        return []
+
+    def cell(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    def times(a: float | None, b: float | None) -> str:
+        return "-" if a is None or not b else f"{a / b:.2f}x"
+
+    oracle = bool(arms["oracle"]) and cfg.get("oracle_plan") is not None
+    lines = [
+        "",
+        "After the reaction (each adapter run from the end of the first step after its last "
+        "move in the phase; the other arms over the same window, from the median offset):",
+        "",
+        "| phase | window | off | on | on/off |" + (" oracle | on/oracle |" if oracle else ""),
+        "|---|---|---|---|---|" + ("---|---|" if oracle else ""),
+    ]
+    for name, offset, length, r in rows:
+        degraded = name == "degraded"  # the oracle's plan is made for that phase's network
+        extra = (
+            f" {cell(r['oracle'] if degraded else None)} | "
+            f"{times(r['on'], r['oracle']) if degraded else '-'} |"
+            if oracle
+            else ""
+        )
+        lines.append(
+            f"| {name} | last {length - offset:.0f} of {length:.0f} s | {cell(r['off'])} | "
+            f"{cell(r['on'])} | {times(r['on'], r['off'])} |{extra}"
+        )
+    return lines
 
 
 def oracle_share(off: float | None, on: float | None, oracle: float | None) -> str:

@@ -15,9 +15,10 @@ per-step exchange. Here:
   window is full and its median is back above ``expected / fast_threshold`` (the monitor's own
   rule for a degraded link's return);
 - :func:`choose_return`: the plan left, predicted on its own profile with each probed link at
-  what the probe measures, against the running plan's step; the move back is made when it is
-  predicted faster (no margin: the plan left was the planner's choice on the same model, and the
-  clock still confirms the move, as for any move towards the plan).
+  what the probe measures, against the running plan's step, each by its own clock where both
+  have a reference (the model's error differs from plan to plan); the move back is made when it
+  is expected faster (no margin: the plan left was the planner's choice on the same model, and
+  the clock still confirms the move, as for any move towards the plan).
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ def abandoned_links(
     used_pairs = set(used)
     entries: dict[frozenset[frozenset[int]], list[Mapping[str, Any]]] = {}
     for decision in replans:
+        if "new_bandwidth" not in decision:
+            continue  # a device's compute, not a link
         if float(decision["new_bandwidth"]) >= float(decision["old_bandwidth"]):
             continue  # a link that got faster was not left for being slow
         pairs = [(int(s), int(d)) for s, d in decision.get("pairs") or [decision["link"]]]
@@ -214,14 +217,25 @@ def restored_profile(left_profile: ClusterProfile, watch: ComeBackWatch) -> Clus
 
 
 def choose_return(
-    left_plan: Plan, restored: ClusterProfile, current_s: float, *, current_is: str
+    left_plan: Plan,
+    restored: ClusterProfile,
+    current_s: float,
+    *,
+    current_is: str,
+    left_scale: float = 1.0,
 ) -> ReplanChoice:
-    """Whether to move back to ``left_plan`` (predicted on ``restored``) from the running plan
-    (``current_s`` on the model's scale, described by ``current_is``)."""
-    new_s = float(predict_plan(restored, left_plan).step_time_s)
+    """Whether to move back to ``left_plan`` (predicted on ``restored``, times ``left_scale``)
+    from the running plan (``current_s``, described by ``current_is``).
+
+    Both figures must be on one scale. With the clock's references of both configurations, the
+    running plan's measured step and the plan left's prediction times its reference's
+    measured / predicted (``left_scale``): each plan corrected by its own clock, since the model
+    can be off by different amounts for different plans. Without them, the model's scale."""
+    new_s = float(predict_plan(restored, left_plan).step_time_s) * left_scale
     apply = new_s < current_s
+    left_is = "predicted" if left_scale == 1.0 else "expected, by its clock,"
     reason = (
-        f"the link(s) left are back: the plan left is predicted {new_s * 1e3:.1f} ms on them, "
+        f"the link(s) left are back: the plan left is {left_is} {new_s * 1e3:.1f} ms on them, "
         f"the running plan {current_is} {current_s * 1e3:.1f} ms"
     )
     return ReplanChoice(

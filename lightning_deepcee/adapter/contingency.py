@@ -12,6 +12,10 @@ both directions); the search process plans each. When the monitor proposes a re-
 the fastest if it beats the running plan by the margin: the move needs no search, and the clock
 still confirms it (``adapter/guard.py``). A change that none of them answers (a link at a third,
 a link the plan does not use) goes to the search as before.
+
+:func:`device_contingency_profiles` does the same for the devices that train: each at
+``COMPUTE_FACTOR`` times its block times (another tenant taking two thirds of it), so that a
+device that slows down (``adapter/compute.py``) finds its plan ready too.
 """
 
 from __future__ import annotations
@@ -26,10 +30,18 @@ from lightning_deepcee.planner.plan import Plan
 from lightning_deepcee.planner.profile_arrays import ProfileArrays
 from lightning_deepcee.profiler.data import ClusterProfile
 
-__all__ = ["CONTINGENCY_FACTOR", "choose_contingency", "contingency_profiles"]
+__all__ = [
+    "COMPUTE_FACTOR",
+    "CONTINGENCY_FACTOR",
+    "choose_contingency",
+    "contingency_profiles",
+    "device_contingency_profiles",
+]
 
 CONTINGENCY_FACTOR = 0.1
 """The bandwidth, as a fraction of its figure, each contingency plans a wide-area link at."""
+COMPUTE_FACTOR = 3.0
+"""How many times as long each device contingency has a training device compute."""
 
 
 def contingency_profiles(
@@ -58,6 +70,20 @@ def contingency_profiles(
     return scenarios
 
 
+def device_contingency_profiles(
+    profile: ClusterProfile, plan: Plan, factor: float = COMPUTE_FACTOR
+) -> list[tuple[str, ClusterProfile]]:
+    """``(name, profile)`` for every device ``plan`` trains on: that device computing
+    ``factor`` times as long (:func:`~lightning_deepcee.adapter.compute.observed_compute`).
+    Named ``device {rank}``."""
+    from lightning_deepcee.adapter.compute import observed_compute
+
+    if not factor > 1:
+        raise ValueError(f"device_contingency_profiles: factor must be above 1, got {factor!r}")
+    ranks = sorted({r for stage in plan.stages for r in stage.ranks})
+    return [(f"device {r}", observed_compute(profile, {r: factor})[0]) for r in ranks]
+
+
 def choose_contingency(
     observed: ClusterProfile,
     current: Plan,
@@ -78,7 +104,8 @@ def choose_contingency(
     new_s, name, plan = min(timed, key=lambda t: t[0])
     apply = new_s < current_s * (1 - gain)
     reason = (
-        f"the plan searched ahead for {name} at a tenth is predicted "
+        f"the plan searched ahead for {name} "
+        f"{'at a third of its speed' if name.startswith('device') else 'at a tenth'} is predicted "
         f"{1 - new_s / current_s:.0%} faster on the links as measured (needs {gain:.0%})"
     )
     return ReplanChoice(

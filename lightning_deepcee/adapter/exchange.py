@@ -2,8 +2,9 @@
 
 Each step every rank adds its figures into one vector that a single all-reduce sums (the
 Lightning shim, ``callback.py``, posts it and reads it a step later): per pair of the running
-plan the bytes and seconds on the wire this rank received, every rank's step time and number of
-proposals in its own slot, and a flag the searcher raises when its re-plan search has finished.
+plan the bytes and seconds on the wire this rank received, every rank's step time, number of
+proposals and compute seconds in its own slot, and a flag the searcher raises when its re-plan
+search has finished.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class Exchanged(NamedTuple):
     """Some rank has proposals to gather."""
     search_done: bool
     """The background re-plan search has finished (on the rank that runs it)."""
+    compute_s: tuple[float, ...] = ()
+    """Every rank's compute seconds of the step (0 where a rank did not train)."""
 
 
 def pack(
@@ -45,13 +48,14 @@ def pack(
     step_s: float,
     count: int,
     search_done: bool,
+    compute_s: float = 0.0,
 ) -> list[float]:
     """This rank's part of the sum. Only received transfers of at least ``min_bytes`` with a
     wire time count: a receive's blocked time includes waiting for the sender's compute, which a
     split shortens, while the payload's time on the wire is what the link delivers."""
     index = {pair: i for i, pair in enumerate(pairs)}
     num_pairs = len(index)
-    values = [0.0] * (2 * num_pairs + 2 * world + 1)
+    values = [0.0] * (2 * num_pairs + 3 * world + 1)
     for r in records:
         i = index.get((r.peer, rank))
         if i is not None and r.direction == "recv" and r.wire_s and r.num_bytes >= min_bytes:
@@ -59,6 +63,7 @@ def pack(
             values[num_pairs + i] += r.wire_s
     values[2 * num_pairs + rank] = step_s
     values[2 * num_pairs + world + rank] = float(count)
+    values[2 * num_pairs + 2 * world + rank] = float(compute_s)
     values[-1] = float(search_done)
     return values
 
@@ -69,4 +74,5 @@ def unpack(step: int, pairs: Sequence[tuple[int, int]], world: int, out: list[fl
     rows = [[s, d, int(out[i]), out[n + i]] for i, (s, d) in enumerate(pairs) if out[i] > 0]
     step_times = out[2 * n : 2 * n + world]
     counts = out[2 * n + world : 2 * n + 2 * world]
-    return Exchanged(step, rows, max(step_times), sum(counts) > 0, out[-1] > 0)
+    compute = out[2 * n + 2 * world : 2 * n + 3 * world]
+    return Exchanged(step, rows, max(step_times), sum(counts) > 0, out[-1] > 0, tuple(compute))

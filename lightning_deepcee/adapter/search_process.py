@@ -41,9 +41,13 @@ _ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 def run(request: Mapping[str, Any]) -> dict[str, Any]:
     """The search itself, as a dict: ``choose_replan`` on the request's profile and plan, or
-    with ``"kind": "contingencies"`` a plan for each of ``contingency_profiles`` (``{"plans":
-    [{"name": ..., "plan": ...}, ...]}``, a scenario nothing fits left out)."""
-    from lightning_deepcee.adapter.contingency import contingency_profiles
+    with ``"kind": "contingencies"`` a plan for each of ``contingency_profiles`` (with
+    ``"scope": "devices"``: of ``device_contingency_profiles``) (``{"plans": [{"name": ...,
+    "plan": ...}, ...]}``, a scenario nothing fits left out)."""
+    from lightning_deepcee.adapter.contingency import (
+        contingency_profiles,
+        device_contingency_profiles,
+    )
     from lightning_deepcee.adapter.replan import choose_replan
     from lightning_deepcee.planner.plan import Plan
     from lightning_deepcee.planner.prediction import CostModelConfig
@@ -61,7 +65,12 @@ def run(request: Mapping[str, Any]) -> dict[str, Any]:
     )
     if request.get("kind") == "contingencies":
         plans = []
-        for name, scenario in contingency_profiles(profile, current):
+        scenarios = (
+            device_contingency_profiles
+            if request.get("scope") == "devices"
+            else contingency_profiles
+        )
+        for name, scenario in scenarios(profile, current):
             try:
                 plans.append({"name": name, "plan": search(scenario).to_dict()})
             except ValueError:  # nothing fits that scenario: no plan ahead for it

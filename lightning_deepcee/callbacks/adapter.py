@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_deepcee.adapter.compute import ComputeMonitor
 from lightning_deepcee.adapter.exchange import Exchanged, pack, unpack
 from lightning_deepcee.adapter.guard import ActionGuard, GuardConfig, Verdict
 from lightning_deepcee.adapter.monitor import LinkMonitor, LinkObservation, MonitorConfig
@@ -47,7 +48,10 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
     and seconds on the wire) with every rank's step time, so every rank's
     :class:`~lightning_deepcee.adapter.LinkMonitor` sees the whole pipeline and judges each link
     against what the plan expects of it (:func:`~lightning_deepcee.adapter.link_expectations`),
-    lowered to a figure calibrated after ``warmup_steps`` where that is lower. A ``split`` or
+    lowered to a figure calibrated after ``warmup_steps`` where that is lower; the same
+    all-reduce carries every rank's compute time, which a
+    :class:`~lightning_deepcee.adapter.compute.ComputeMonitor` judges against the device's own
+    calibrated figure (a ``replan`` when a device slows down or speeds up). A ``split`` or
     ``merge`` proposal changes the split only as
     :func:`~lightning_deepcee.adapter.choose_split` predicts it pays (``split_gain``); a
     ``replan`` proposal starts :func:`~lightning_deepcee.adapter.choose_replan` in a child
@@ -59,6 +63,9 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
     before; an action away from the plan that did not gain ``confirm_gain`` is reverted (the
     previous split, or the previous plan and profile) and not retried while the links say the
     same. Proposals arriving while an action waits for its verdict are considered after it.
+    After a re-plan that left slowed links, those links are probed, and the adapter returns to
+    the plan it left once they recover and the model predicts that plan faster
+    (:class:`~lightning_deepcee.callbacks.comeback.ComeBack`).
     Without a cluster profile nothing can be predicted: the adapter only watches and logs.
 
     Proposals, gate outcomes and verdicts go to the console (rank 0), the loggers and
@@ -123,6 +130,10 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
             GuardConfig(window=confirm_window, settle=confirm_settle, min_gain=confirm_gain)
         )
         self.monitor: LinkMonitor | None = None
+        self.compute: ComputeMonitor | None = None
+        """Every training rank's compute time against its own calibrated figure."""
+        self._compute_of = -1
+        """The configuration count the compute monitor was made for."""
         self.decisions: list[dict[str, Any]] = []
         self._pairs: list[tuple[int, int]] = []
         """The pairs the running plan's transfers use (the all-reduce's layout)."""
@@ -194,6 +205,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         if landed is not None:
             observations = [LinkObservation(landed.step, s, d, b, t) for s, d, b, t in landed.rows]
             mine = [d.to_dict() for d in self.monitor.observe(landed.step, observations)]
+            mine += self._watch_compute(strategy, landed)
         search = self.replanner.search
         job = None if search is None else search.job  # on the searcher
         self._inflight = self._exchange(
@@ -219,7 +231,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
             self._decide(trainer, strategy, list(seen.values()), stale=monitor is not self.monitor)
         self.comeback.observe(landed.rows)
         if self.comeback.due() and self.guard.pending is None and self.replanner.search is None:
-            self._come_back(trainer, strategy)
+            self.comeback.come_back(trainer, strategy, self)
         if self._changes != changes:
             self._forget_exchange()  # its figures and proposals are of the configuration left
         self.replanner.search_ahead(strategy)
@@ -238,6 +250,17 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         self._inflight, self._proposed = None, []
 
     # --------------------------------------------------------------------------- per step
+    def _watch_compute(
+        self, strategy: AdaptableStrategy, landed: Exchanged
+    ) -> list[dict[str, Any]]:
+        """Feed the ranks' compute times to the compute monitor, made afresh for every
+        configuration (its stages and micro-batches set the work)."""
+        if self.compute is None or self._compute_of != self._changes:
+            assert strategy.plan is not None
+            ranks = [r for stage in strategy.plan.stages for r in stage.ranks]
+            self.compute, self._compute_of = ComputeMonitor(ranks, self.config), self._changes
+        return self.compute.observe(landed.step, landed.compute_s)
+
     def _exchange(
         self, strategy: AdaptableStrategy, step: int, step_s: float, count: int, search_done: bool
     ) -> Callable[[], Exchanged]:
@@ -247,10 +270,11 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         messages never queue behind it."""
         pairs = self._pairs + self.comeback.pairs
         records = [*strategy.transfer_records, *self.comeback.records()]
+        stats = strategy.last_step_stats
         values = pack(
             pairs, records, rank=strategy.global_rank,
             world=strategy.world_size, min_bytes=self.config.min_bytes, step_s=step_s,
-            count=count, search_done=search_done,
+            count=count, search_done=search_done, compute_s=stats.compute_s if stats else 0.0,
         )  # fmt: skip
         summed = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
         work = torch.distributed.all_reduce(
@@ -282,13 +306,20 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         from lightning_deepcee.adapter.monitor import describe_link
 
         for d in decisions:
+            self.decisions.append(d)
+            if "device" in d:
+                rank_zero_info(
+                    f"DeepCEE adapter: step {d['step']} {d['name']} {d['kind']}: "
+                    f"{d['old_s'] * 1e3:.0f} -> {d['new_s'] * 1e3:.0f} ms of compute a step "
+                    f"({d['reason']})"
+                )
+                continue
             name = d.get("name") or f"{d['link'][0]}->{d['link'][1]}"
             rank_zero_info(
                 f"DeepCEE adapter: step {d['step']} link {describe_link(name, d.get('pairs', []))}"
                 f" {d['kind']} x{d['split_factor']}: {d['old_bandwidth'] / 1e6:.3g} -> "
                 f"{d['new_bandwidth'] / 1e6:.3g} MB/s ({d['reason']})"
             )
-            self.decisions.append(d)
             for logger in trainer.loggers:
                 logger.log_metrics(
                     {f"deepcee/adapter_link{name}_mb_per_s": d["new_bandwidth"] / 1e6},
@@ -345,7 +376,9 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
     def observed(
         self, strategy: AdaptableStrategy, proposals: list[dict[str, Any]]
     ) -> tuple[ClusterProfile, dict[Any, tuple[float, float]]]:
-        """The profile as the links behave now (the proposals' figures, then the monitor's)."""
+        """The profile as the links behave now (the proposals' figures, then the monitor's) and
+        the devices compute now (slowed or faster ones scaled, keyed ``device <rank>``)."""
+        from lightning_deepcee.adapter.compute import compute_ratios, observed_compute
         from lightning_deepcee.adapter.replan import (
             figures_from_decision,
             link_figures,
@@ -354,7 +387,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         from lightning_deepcee.profiler import ClusterProfile
 
         # The monitor's figures last: they cover every pair of a link, and later figures win.
-        figures = [f for d in proposals for f in figures_from_decision(d)]
+        figures = [f for d in proposals if "link" in d for f in figures_from_decision(d)]
         figures += [] if self.monitor is None else link_figures(self.monitor.state_dict())
         profile = strategy.cluster_profile
         assert profile is not None
@@ -362,7 +395,11 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         replanned = self.replanner.replanned
         if replanned is not None and replanned.measured is not None:
             ceiling = ClusterProfile.from_dict(replanned.measured)
-        return observed_profile(profile, figures, ceiling=ceiling)
+        observed, changes = observed_profile(profile, figures, ceiling=ceiling)
+        ratios = {**({} if self.compute is None else self.compute.ratios()),
+                  **compute_ratios(proposals)}  # fmt: skip
+        observed, applied = observed_compute(observed, ratios)
+        return observed, {**changes, **{f"device {r}": (1.0, x) for r, x in applied.items()}}
 
     def plan_at(self, strategy: AdaptableStrategy, split: int) -> Plan:
         """The running plan with ``split`` pieces per micro-batch of its own count."""
@@ -373,7 +410,8 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
 
     def signature(self) -> list[Any]:
         """The monitor's link states (what a refuted action and a search are tied to)."""
-        return [] if self.monitor is None else [list(s) for s in self.monitor.signature()]
+        links = [] if self.monitor is None else [list(s) for s in self.monitor.signature()]
+        return links + ([] if self.compute is None else self.compute.signature())
 
     def refuted_key(self, kind: str, target: Any) -> str:
         """An action as the clock may refute it: its kind and target under these link states."""
@@ -479,43 +517,6 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
             strategy, left, replans, window=self.config.window,
             fast_threshold=self.config.fast_threshold,
         )  # fmt: skip
-
-    def _come_back(self, trainer: pl.Trainer, strategy: AdaptableStrategy) -> None:
-        """A link a re-plan left has recovered: back to the plan left if it is predicted faster
-        than the running one (the clock's figure where there is one); kept or reverted by the
-        clock as a move towards the plan."""
-        from lightning_deepcee.adapter.replan import ReplanChoice, placement_key
-        from lightning_deepcee.planner.cost_model import predict_plan
-
-        clocked = self.replanner.clocked_step(strategy)
-        if clocked is not None:
-            current_s, current_is = clocked[0], "runs, on the model's scale,"
-        else:
-            assert strategy.cluster_profile is not None
-            running = self.plan_at(strategy, self.split_state.split)
-            current_s = float(predict_plan(strategy.cluster_profile, running).step_time_s)
-            current_is = "is predicted"
-        comeback = self.comeback
-        outcome = on_one_rank(
-            strategy, "coming back", lambda: comeback.choose(current_s, current_is)
-        )
-        choice = ReplanChoice.from_dict(outcome)
-        assert comeback.left is not None and choice.plan is not None
-        left = {**comeback.left, "profile": outcome["profile"]}
-        key = self.refuted_key("return", placement_key(choice.plan))
-        entry = {"current_step_time_s": current_s, "new_step_time_s": choice.new_step_time_s}
-        comeback.close()
-        if not choice.apply or key in self._refuted:
-            why = "the clock reverted this return" if choice.apply else choice.reason
-            self.record(trainer, {**entry, "kind": "return-kept", "reason": why})
-            return
-        previous = self.replanner.snapshot(strategy)
-        self.replanner.revert(trainer, strategy, left)
-        self.guard.begin(
-            trainer.global_step, {"kind": "return", "previous": previous, "key": key},
-            towards_plan=True,
-        )  # fmt: skip
-        self.record(trainer, {**entry, "kind": "return-applied", "reason": choice.reason})
 
     # -------------------------------------------------------------------- layout changes
     def new_monitor(self, strategy: AdaptableStrategy) -> None:

@@ -12,8 +12,11 @@ every rank calls them at the same step. See docs/adapter.md.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import lightning.pytorch as pl
 
 from lightning_deepcee.adapter.comeback import (
     ComeBackWatch,
@@ -26,14 +29,33 @@ from lightning_deepcee.adapter.links import plan_pairs
 from lightning_deepcee.runtime.probe import open_link_probe
 
 if TYPE_CHECKING:
+    from lightning_deepcee.adapter.guard import ActionGuard
     from lightning_deepcee.adapter.monitor import Link
+    from lightning_deepcee.callbacks.replanner import Replanner, SplitState
     from lightning_deepcee.callbacks.strategy_view import AdaptableStrategy
+    from lightning_deepcee.planner import Plan
     from lightning_deepcee.runtime.probe import LinkProbe
     from lightning_deepcee.runtime.transport import TransferRecord
 
-__all__ = ["ComeBack"]
+__all__ = ["ComeBack", "ComeBackHost"]
 
 OpenProbe = Callable[[tuple[int, int], int, int], "LinkProbe | None"]
+
+
+class ComeBackHost(Protocol):
+    """What :meth:`ComeBack.come_back` uses of the adapter callback."""
+
+    guard: ActionGuard
+    replanner: Replanner
+    split_state: SplitState
+
+    def plan_at(self, strategy: AdaptableStrategy, split: int) -> Plan: ...
+
+    def refuted_key(self, kind: str, target: Any) -> str: ...
+
+    def is_refuted(self, key: str | None) -> bool: ...
+
+    def record(self, trainer: pl.Trainer, entry: dict[str, Any]) -> None: ...
 
 
 class ComeBack:
@@ -96,17 +118,67 @@ class ComeBack:
         """Some link left has recovered: time to consider the return."""
         return self.watch is not None and bool(self.watch.recovered())
 
-    def choose(self, current_s: float, current_is: str) -> dict[str, Any]:
+    def choose(self, current_s: float, current_is: str, left_scale: float = 1.0) -> dict[str, Any]:
         """The return's :class:`ReplanChoice` as a dict, with the restored profile
-        (``"profile"``); run on one rank and broadcast."""
+        (``"profile"``); run on one rank and broadcast (``choose_return``'s arguments)."""
         from lightning_deepcee.planner import Plan
         from lightning_deepcee.profiler import ClusterProfile
 
         assert self.left is not None and self.watch is not None
         restored = restored_profile(ClusterProfile.from_dict(self.left["profile"]), self.watch)
         plan = Plan.from_dict(self.left["plan"])
-        choice = choose_return(plan, restored, current_s, current_is=current_is)
+        choice = choose_return(
+            plan, restored, current_s, current_is=current_is, left_scale=left_scale
+        )
         return {**choice.to_dict(), "profile": restored.to_dict()}
+
+    def come_back(
+        self, trainer: pl.Trainer, strategy: AdaptableStrategy, host: ComeBackHost
+    ) -> None:
+        """On every rank, when :meth:`due`: back to the plan left if it is predicted faster than
+        the running one (the clock's figure where there is one), kept or reverted by the clock
+        as a move towards the plan; the probes stop either way."""
+        from lightning_deepcee.adapter.replan import ReplanChoice, placement_key
+        from lightning_deepcee.callbacks.replanner import on_one_rank
+        from lightning_deepcee.planner import Plan
+        from lightning_deepcee.planner.cost_model import predict_plan
+
+        assert self.left is not None
+        clocked = host.replanner.clocked_step(strategy)
+        left_ref = host.replanner.reference(
+            Plan.from_dict(self.left["plan"]), int(self.left["split"])
+        )
+        scale = 1.0
+        if clocked is not None and left_ref is not None:  # each plan by its own clock
+            current_s, current_is = clocked[1], "runs (measured)"
+            scale = left_ref[0] / left_ref[1]
+        elif clocked is not None:
+            current_s, current_is = clocked[0], "runs, on the model's scale,"
+        else:
+            assert strategy.cluster_profile is not None
+            running = host.plan_at(strategy, host.split_state.split)
+            current_s = float(predict_plan(strategy.cluster_profile, running).step_time_s)
+            current_is = "is predicted"
+        outcome = on_one_rank(
+            strategy, "coming back", lambda: self.choose(current_s, current_is, scale)
+        )
+        choice = ReplanChoice.from_dict(outcome)
+        assert self.left is not None and choice.plan is not None
+        left = {**self.left, "profile": outcome["profile"]}
+        key = host.refuted_key("return", placement_key(choice.plan))
+        entry = {"current_step_time_s": current_s, "new_step_time_s": choice.new_step_time_s}
+        self.close()
+        if not choice.apply or host.is_refuted(key):
+            why = "the clock reverted this return" if choice.apply else choice.reason
+            host.record(trainer, {**entry, "kind": "return-kept", "reason": why})
+            return
+        previous = host.replanner.snapshot(strategy)
+        host.replanner.revert(trainer, strategy, left)
+        host.guard.begin(
+            trainer.global_step, {"kind": "return", "previous": previous, "key": key},
+            towards_plan=True,
+        )  # fmt: skip
+        host.record(trainer, {**entry, "kind": "return-applied", "reason": choice.reason})
 
     def close(self) -> None:
         """On every rank at the same step: stop the probes and forget what was left."""
@@ -118,7 +190,13 @@ class ComeBack:
         for probe in self._probes:
             ended = probe.close()
             if probe.error is not None or not ended:
-                self.lost.append(f"{probe.src}->{probe.dst}: {probe.error or 'did not stop'}")
+                lost = f"{probe.src}->{probe.dst}: {probe.error or 'did not stop within 60 s'}"
+                self.lost.append(lost)
+                warnings.warn(
+                    f"DeepCEE adapter: the probe of link {lost}; its samples stopped (a peer "
+                    "lost or a link stalled), so that link's recovery was not seen from then",
+                    stacklevel=2,
+                )
         self._probes = []
 
     # -------------------------------------------------------------------- checkpoints

@@ -3,7 +3,8 @@
 :class:`Contingencies` belongs to the :class:`~lightning_deepcee.callbacks.replanner.Replanner`
 and lives on the searcher only (the device that runs re-plan searches, ``replanner.searcher``):
 while nothing else is searched there it searches, in a child process paced like a re-plan
-search, the plans for each wide-area link of the running layout at a tenth, and keeps them per
+search, the plans for each wide-area link of the running layout at a tenth, then for each of its
+training devices at a third of its speed (two searches in turn, links first), and keeps them per
 layout (a revert or a move back finds them again). Starting and collecting them is local to the
 searcher, without a collective; the choice among them, when a re-plan is proposed, is made there
 and broadcast with the re-plan's other outcomes.
@@ -27,15 +28,19 @@ __all__ = ["Contingencies"]
 
 
 class Contingencies:
-    """Plans searched ahead for the running layout's wide-area links, on the searcher."""
+    """Plans searched ahead for the running layout's wide-area links and devices, on the
+    searcher."""
 
     def __init__(self, start: Callable[[Mapping[str, Any]], SearchProcess]) -> None:
         self._start = start
         """Starts a search process on a request (``SearchProcess``)."""
         self.plans: dict[str, list[dict[str, Any]]] = {}
         """Per layout (``placement_key`` as JSON): ``{"name", "plan"}`` dicts searched ahead."""
+        self._searched: dict[str, list[str]] = {}
+        """Per layout: the scopes searched (``links``, then ``devices``)."""
         self._job: SearchProcess | None = None
         self._job_key: str | None = None
+        self._job_scope: str | None = None
 
     def prepare(self, strategy: AdaptableStrategy, pacing: dict[str, Any]) -> None:
         """Collect a finished search; start one for the running layout if it has none (call on
@@ -46,13 +51,15 @@ class Contingencies:
             return
         plan = strategy.current_plan()
         key = json.dumps(placement_key(plan))
-        if key in self.plans:
+        done = self._searched.get(key, [])
+        scope = next((s for s in _SCOPES if s not in done), None)
+        if scope is None:
             return
-        self._job_key = key
+        self._job_key, self._job_scope = key, scope
         self._job = self._start(
-            {"kind": "contingencies", "profile": profile.to_dict(), "plan": plan.to_dict(),
-             "device_gain": strategy.device_gain, "compression": list(strategy.compression),
-             **pacing}
+            {"kind": "contingencies", "scope": scope, "profile": profile.to_dict(),
+             "plan": plan.to_dict(), "device_gain": strategy.device_gain,
+             "compression": list(strategy.compression), **pacing}
         )  # fmt: skip
 
     def choose(
@@ -73,14 +80,20 @@ class Contingencies:
         """Stop a search in progress (a re-plan search needs the device); it starts again later."""
         if self._job is not None:
             self._job.cancel()
-        self._job = self._job_key = None
+        self._job = self._job_key = self._job_scope = None
 
     def _collect(self) -> None:
-        job, key = self._job, self._job_key
-        if job is None or key is None or not job.done():
+        job, key, scope = self._job, self._job_key, self._job_scope
+        if job is None or key is None or scope is None or not job.done():
             return
-        self._job = self._job_key = None
+        self._job = self._job_key = self._job_scope = None
+        self._searched.setdefault(key, []).append(scope)
         try:
-            self.plans[key] = list(job.result()["plans"])
-        except RuntimeError:  # a failed search: no plan ahead for this layout
-            self.plans[key] = []
+            found = list(job.result()["plans"])
+        except RuntimeError:  # a failed search: no plan ahead for this layout and scope
+            found = []
+        self.plans[key] = self.plans.get(key, []) + found
+
+
+_SCOPES = ("links", "devices")
+"""What is searched ahead, in this order: each wide-area link at a tenth, each device slowed."""

@@ -334,7 +334,7 @@ class Replanner:
         entry: dict[str, Any] = {
             "step": trainer.global_step,
             "kind": "replan-" + action,
-            "links": [list(d["link"]) for d in replans],
+            "links": [list(d["link"]) if "link" in d else d["name"] for d in replans],
             "reason": why,
         }
         if choice is not None:
@@ -434,7 +434,7 @@ class Replanner:
         steady = (
             monitor is not None
             and monitor.calibrated
-            and not monitor.signature()
+            and not host.signature()  # every link and device as profiled
             and measured is not None
             and strategy.cluster_profile is not None
         )
@@ -468,14 +468,25 @@ class Replanner:
             return None
         return measured * reference[1] / reference[0], measured
 
+    def reference(self, plan: Plan, split: int) -> tuple[float, float] | None:
+        """The clock's reference of the configuration ``plan`` with ``split`` pieces:
+        ``(measured s, predicted s)``, or ``None`` if it never ran steady long enough."""
+        reference = self.clock.get(json.dumps([placement_key(plan), split]))
+        return None if reference is None else (reference[0], reference[1])
+
     def _clock_key(self, strategy: AdaptableStrategy) -> str:
         return json.dumps([placement_key(strategy.current_plan()), self.host.split_state.split])
 
 
 def _figures_line(choice: Any, search: SearchInFlight) -> str:
+    links = sorted((k, v) for k, v in search.changes.items() if not isinstance(k, str))
+    devices = sorted((k, v) for k, v in search.changes.items() if isinstance(k, str))
     changed = ", ".join(
-        f"{src}->{dst} {old / 1e6:.3g} -> {new / 1e6:.3g} MB/s"
-        for (src, dst), (old, new) in sorted(search.changes.items())
+        [
+            f"{src}->{dst} {old / 1e6:.3g} -> {new / 1e6:.3g} MB/s"
+            for (src, dst), (old, new) in links
+        ]
+        + [f"{name} computing x{new / old:.2f}" for name, (old, new) in devices]
     )
     new_s = choice.new_step_time_s
     return (

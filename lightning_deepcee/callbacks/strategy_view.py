@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from lightning_deepcee.planner import Plan
     from lightning_deepcee.profiler import ClusterProfile
+    from lightning_deepcee.runtime.executor import StepStats
     from lightning_deepcee.runtime.transport import TransferRecord
 
 __all__ = ["AdaptableStrategy", "deepcee_strategy"]
@@ -34,6 +35,8 @@ class AdaptableStrategy(Protocol):
     """The search's margin for using more devices (``DeepCEEStrategy(device_gain=...)``)."""
     compression: tuple[str, ...]
     """The methods a re-plan may choose per hop (``DeepCEEStrategy(compression=...)``)."""
+    last_step_stats: StepStats | None
+    """This rank's timings of the last training step (``compute_s``: its compute)."""
 
     @property
     def plan(self) -> Plan | None:

@@ -50,6 +50,9 @@ class AtOnce:
     def result(self) -> dict[str, Any]:
         return self._outcome
 
+    def cancel(self) -> None:
+        """Nothing runs: there is nothing to stop."""
+
 
 WAN = 1e7  # bytes/s between the two network groups {0, 1} and {2}
 LAN = 1e9
@@ -167,12 +170,14 @@ def run_adapter(
     wire: Callable[[int, np.random.Generator], float] = lambda step, rng: 1.0,
     seed: int = 0,
     profile: ClusterProfile | None = PROFILE,
+    compute: Callable[[int], list[float]] = lambda step: [],
     **adapter_args: Any,
 ) -> Run:
     """Train ``steps`` steps; at each the WAN runs at ``wan(step)`` of the profile (``wan_back``:
     the gradients' direction, if different), both senders of a direction share it (each at
     half), the receivers stamp their arrivals ``wire`` times as fast as that, and the step takes
-    ``world(..., the slower direction)`` times +-``noise``. The probes of links a re-plan left
+    ``world(..., the slower direction)`` times +-``noise``; ``compute(step)`` is every rank's
+    compute seconds of the step (none by default). The probes of links a re-plan left
     (``adapter.comeback.pairs``) report one message per step at the link's rate."""
     rng = np.random.default_rng(seed)
     strategy = WorldStrategy(profile)
@@ -209,8 +214,9 @@ def run_adapter(
             done: bool,
             r: Any = rows,
             t: float = seconds,
+            c: tuple[float, ...] = tuple(compute(step)),
         ) -> Callable[[], Exchanged]:
-            return lambda: Exchanged(step, r, t, count > 0, done)  # lands at the next step
+            return lambda: Exchanged(step, r, t, count > 0, done, c)  # lands at the next step
 
         monkeypatch.setattr(adapter, "_exchange", exchange)
         adapter.on_train_batch_end(trainer, None, None, None, 0)

@@ -47,6 +47,9 @@ class _AtOnce:
     def result(self) -> dict[str, Any]:
         return self._outcome
 
+    def cancel(self) -> None:
+        """Nothing runs: there is nothing to stop."""
+
 
 replanning.SearchProcess = _AtOnce  # type: ignore[assignment, misc]
 

@@ -127,6 +127,11 @@ def test_the_return_is_predicted_on_the_profile_left_with_the_probed_figures() -
     slower = choose_return(plan, profile, 2 * predicted, current_is="is predicted")
     assert slower.apply and slower.new_step_time_s == pytest.approx(predicted)
     assert not choose_return(plan, profile, 0.9 * predicted, current_is="is predicted").apply
+    # Each plan by its own clock: the plan left ran 20% slower than predicted, so a running
+    # plan measured 10% above the prediction is kept.
+    clocked = choose_return(plan, profile, 1.1 * predicted, current_is="runs", left_scale=1.2)
+    assert not clocked.apply and clocked.new_step_time_s == pytest.approx(1.2 * predicted)
+    assert "expected, by its clock," in clocked.reason
 
 
 def _cut(step: int) -> float:

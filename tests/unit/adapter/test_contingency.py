@@ -151,3 +151,48 @@ def test_without_a_plan_ahead_the_search_runs(monkeypatch: pytest.MonkeyPatch) -
     (applied,) = run.kinds("replan-applied")
     assert search["step"] == 60 + 5 + 1 and applied["step"] > search["step"]
     assert "searched ahead" not in applied["reason"]
+
+
+def test_each_training_device_is_planned_at_a_third_of_its_speed() -> None:
+    from lightning_deepcee.adapter.compute import observed_compute
+    from lightning_deepcee.adapter.contingency import (
+        COMPUTE_FACTOR,
+        device_contingency_profiles,
+    )
+
+    profile = world_profile()
+    scenarios = device_contingency_profiles(profile, world_plan())
+    assert [name for name, _ in scenarios] == ["device 0", "device 1", "device 2"]
+    for rank, (_, scenario) in enumerate(scenarios):
+        assert scenario == observed_compute(profile, {rank: COMPUTE_FACTOR})[0]
+    with pytest.raises(ValueError, match="factor must be above 1"):
+        device_contingency_profiles(profile, world_plan(), factor=0.5)
+    request = {"kind": "contingencies", "scope": "devices", "profile": profile.to_dict(),
+               "plan": world_plan().to_dict(), "device_gain": 0.05}  # fmt: skip
+    outcome = search_process.run(request)
+    assert [entry["name"] for entry in outcome["plans"]] == ["device 0", "device 1", "device 2"]
+
+
+def test_the_searcher_searches_links_then_devices_and_keeps_both() -> None:
+    started: list[dict] = []
+
+    class Done:
+        def __init__(self, request: dict) -> None:
+            started.append(dict(request))
+            self.outcome = search_process.run(request)
+
+        def done(self) -> bool:
+            return True
+
+        def result(self) -> dict:
+            return self.outcome
+
+    from tests.helpers.adapter_world import WorldStrategy
+
+    strategy = WorldStrategy(world_profile())
+    ahead = Contingencies(Done)
+    for _ in range(4):
+        ahead.prepare(strategy, {})
+    assert [r["scope"] for r in started] == ["links", "devices"]  # then nothing more to search
+    names = [p["name"] for plans in ahead.plans.values() for p in plans]
+    assert names == ["net0<->net1", "device 0", "device 1", "device 2"]

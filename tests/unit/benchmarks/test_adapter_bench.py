@@ -40,7 +40,10 @@ def test_the_links_a_plan_uses() -> None:
 
 
 def _args(tmp_path: Path, **kwargs: Any) -> argparse.Namespace:
-    defaults = dict(trace=None, link=None, drop_at_s=10.0, restore_at_s=20.0, drop_factor=0.25)
+    defaults = dict(
+        trace=None, link=None, drop_at_s=10.0, restore_at_s=20.0, drop_factor=0.25, jitter=None,
+        jitter_period_s=10.0, slow_device=None, slow_factor=3.0,
+    )  # fmt: skip
     return argparse.Namespace(**{**defaults, **kwargs})
 
 
@@ -59,6 +62,31 @@ def test_the_trace_hits_the_slowest_link_the_plan_uses(tmp_path: Path) -> None:
         bench._trace_for_plan(_args(tmp_path), CEE6, _plan((0, 1)), tmp_path)
     with pytest.raises(ValueError, match="drop-factor"):
         bench.make_trace(CEE6, ("cloud", "edge"), 1.0, 2.0, 1.5)
+
+
+def test_a_jitter_trace_alternates_around_the_links_figure(tmp_path: Path) -> None:
+    bench = _bench()
+    plan = _plan((0, 1), (2, 3))
+    args = _args(tmp_path, drop_at_s=100.0, restore_at_s=135.0, jitter=0.3, jitter_period_s=10.0)
+    path, trace = bench._trace_for_plan(args, CEE6, plan, tmp_path)
+    assert [(e["at_s"], e["bandwidth_mbit"]) for e in trace] == [
+        (100.0, 130.0), (110.0, 70.0), (120.0, 130.0), (130.0, 70.0), (135.0, 100.0),
+    ]  # fmt: skip
+    assert {tuple(e["link"]) for e in trace} == {("cloud", "edge")}
+    assert load_trace(path, CEE6).to_list() == trace
+    assert bench._phases(trace, 200.0, "jitter") == [
+        ("normal", 0.0, 100.0), ("jitter", 100.0, 135.0), ("recovered", 135.0, 200.0),
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match="two events"):
+        bench._phases(trace, 200.0)  # a drop trace has two events
+    cfg = {"trace": trace, "end_s": 200.0, "jitter": 0.3}
+    assert bench.config_phases(cfg)[1][0] == "jitter"
+    assert bench.describe_trace(cfg) == (
+        "trace: link cloud-edge alternating between 1.3x and 0.7x its 100 Mbit/s every 10 s "
+        "from 100 to 135 s"
+    )
+    with pytest.raises(ValueError, match="--jitter"):
+        bench.jitter_trace(CEE6, ("cloud", "edge"), 0.0, 10.0, 1.2, 1.0)
 
 
 def test_a_given_trace_is_checked_against_the_plan(
@@ -344,3 +372,66 @@ def test_reactions_run_from_the_drop_to_the_first_step_after_each_applied_move()
     # return counts from the restore at 150 s: the step after 34 ends at 170 s.
     assert bench.reactions_s(run, 120.0, 150.0) == [6.0, 42.0, 20.0]
     assert bench.reactions_s({"records": records}, 120.0) == []
+
+
+def _steady(step_s: list[tuple[float, float]], end_s: float) -> dict[str, Any]:
+    """A run whose steps take ``s`` seconds from each ``(from_s, s)`` on, until ``end_s``."""
+    records, t, step = [], 0.0, 0
+    while t < end_s:
+        span = [s for start, s in step_s if start <= t][-1]
+        t, step = t + span, step + 1
+        records.append({"step": step, "end_s": t, "wall_s": span, "microbatches": 2})
+    return {"records": records}
+
+
+def test_after_the_reaction_each_arm_is_measured_over_the_adapters_settled_window() -> None:
+    bench = _bench()
+    trace = [{"at_s": 100.0, "link": ["cloud", "edge"], "bandwidth_mbit": 10.0},
+             {"at_s": 200.0, "link": ["cloud", "edge"], "bandwidth_mbit": 100.0}]  # fmt: skip
+    plan = {"stages": [{"ranks": [0]}, {"ranks": [1]}], "schedule": "1f1b", "num_microbatches": 2}
+    # Static: 1 s steps, 4 s in the cut. Oracle: 2 s steps throughout. Adapter: 4 s steps in the
+    # cut until its move (applied at the step ending at 120 s; the next ends at 124 s), 2 s after.
+    on = _steady([(0.0, 1.0), (100.0, 4.0), (124.0, 2.0), (200.0, 1.0)], 300.0)
+    moved = next(r["step"] for r in on["records"] if r["end_s"] >= 120.0)
+    on["decisions"] = [f"DeepCEE adapter: step {moved} re-plan for link(s) net0->net1: applied"]
+    result = {
+        "config": {"topology": "configs/lab/cee6.yaml", "trace": trace, "size": "gpt5m",
+                   "global_batch": 48, "microbatches": 2, "schedule": "1f1b", "end_s": 300,
+                   "skip_s": 0, "settle": 0, "layout": "plan", "plan": plan,
+                   "oracle_plan": {**plan, "stages": [{"ranks": [0, 1]}]}},
+        "modes": {"off": {"runs": [_steady([(0.0, 1.0), (100.0, 4.0), (200.0, 1.0)], 300.0)]},
+                  "on": {"runs": [on]},
+                  "oracle": {"runs": [_steady([(0.0, 2.0)], 300.0)]}},
+    }  # fmt: skip
+    for run in (*result["modes"]["off"]["runs"], on, *result["modes"]["oracle"]["runs"]):
+        run["phases"] = bench.summarise(run["records"], bench._phases(trace, 300.0), 48, 0, 0.0)
+    lines = bench.after_reaction(result, bench._phases(trace, 300.0))
+    # The degraded window starts at 124 s: 76 s left; 48 samples per 2 s against 48 per 4 s.
+    assert "| degraded | last 76 of 100 s | 12.00 | 24.00 | 2.00x | 24.00 | 1.00x |" in lines
+    # No move after the restore: the whole phase, and no oracle figure outside its network.
+    assert "| recovered | last 100 of 100 s | 48.00 | 48.00 | 1.00x | - | - |" in lines
+    assert "After the reaction" in bench.render(result)
+    on["decisions"] = []
+    assert "After the reaction" not in bench.render(result)
+
+
+def test_a_device_trace_slows_a_device_the_plan_trains_on(tmp_path: Path) -> None:
+    bench = _bench()
+    plan = _plan((0, 1), (2, 3))
+    args = _args(tmp_path, drop_at_s=100.0, restore_at_s=200.0, slow_device="edge0")
+    path, trace = bench._trace_for_plan(args, CEE6, plan, tmp_path)
+    assert trace == [
+        {"at_s": 100.0, "device": "edge0", "cpu": 0.05},  # a third of its 0.15
+        {"at_s": 200.0, "device": "edge0", "cpu": 0.15},
+    ]
+    assert load_trace(path, CEE6).to_list() == trace
+    assert bench._phases(trace, 300.0)[1] == ("degraded", 100.0, 200.0)
+    assert bench.degraded_devices(trace, CEE6) == {2: pytest.approx(3.0)}
+    assert bench.degraded_links(trace, CEE6) == {}
+    assert bench.describe_trace({"trace": trace}) == (
+        "trace: edge0 keeps 0.33 of its CPU quota (0.05 of 0.15 of the machine) from 100 to 200 s"
+    )
+    with pytest.raises(SystemExit, match="the plan trains on"):
+        bench._trace_for_plan(_args(tmp_path, slow_device="end0"), CEE6, plan, tmp_path)
+    with pytest.raises(ValueError, match="--slow-factor"):
+        bench.slow_trace(CEE6, "edge0", 1.0, 2.0, 0.5)

@@ -1,0 +1,206 @@
+"""Compute changes: a device that trains slower (or faster) than it did, judged from its own
+step's compute time.
+
+Pure (stdlib plus the pure core), tested in one process on synthetic streams. Every training
+rank's executor times the compute of its step (wall seconds inside forward and backward actions,
+``StepStats.compute_s``); under a CPU quota that wall time includes the stalls, which is exactly
+what another tenant taking part of the device looks like. The per-step exchange carries every
+rank's figure, so every rank's :class:`ComputeMonitor` sees the same stream and all of them
+decide alike.
+
+A rank's expectation is calibrated on its own configuration (the plan and split running, whose
+stage and micro-batches set the work): the ``1 - calibration_quantile`` quantile of the
+``calibration_steps`` samples after ``warmup_steps`` (below the median, as the link monitor's
+is above it: a minority of stalled steps does not raise it). The window and thresholds are the
+link monitor's (:class:`~lightning_deepcee.adapter.MonitorConfig`), read as slowdowns instead of
+bandwidths:
+
+- ``normal -> slowed``: every sample of the window above ``expected * slow_threshold``,
+  ``react_after`` steps in a row; the ``replan`` proposal comes with the change (a split cannot
+  help a slow device);
+- ``slowed -> normal``: the window median back under ``expected * fast_threshold``,
+  ``react_after`` steps in a row (no proposal: the clock and the plan searched for the slow
+  device decide what to keep);
+- ``normal -> faster`` and back, the same way upwards (a device that got its CPU back while it
+  trains), proposing a ``replan`` with the change.
+
+:func:`observed_compute` scales a slowed device's block times in the profile by its measured
+ratio, as :func:`~lightning_deepcee.adapter.observed_profile` scales a link's bandwidth, so the
+planner sees the device as it runs now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from lightning_deepcee.adapter.records import MonitorConfig
+from lightning_deepcee.profiler.data import ClusterProfile
+
+__all__ = ["ComputeMonitor", "ComputeState", "compute_ratios", "observed_compute"]
+
+ComputeState = Literal["normal", "slowed", "faster"]
+
+
+@dataclass
+class _Device:
+    calibration: list[float] = field(default_factory=list)
+    expected: float | None = None
+    window: deque[float] = field(default_factory=deque)
+    state: ComputeState = "normal"
+    streak: int = 0
+
+
+class ComputeMonitor:
+    """Every training rank's compute seconds per step against its calibrated figure."""
+
+    def __init__(self, ranks: Iterable[int], config: MonitorConfig) -> None:
+        self.config = config
+        self._devices = {int(r): _Device(window=deque(maxlen=config.window)) for r in ranks}
+        self._start: int | None = None
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks watched (those that train)."""
+        return sorted(self._devices)
+
+    def observe(self, step: int, compute_s: Sequence[float]) -> list[dict[str, Any]]:
+        """Take step ``step``'s compute seconds (indexed by rank; 0 where a rank did not train)
+        and return the proposals (``Decision``-like dicts with ``device`` instead of a link)."""
+        if self._start is None:
+            self._start = step
+        if step < self._start + self.config.warmup_steps:
+            return []
+        out = []
+        for rank, device in sorted(self._devices.items()):
+            seconds = float(compute_s[rank]) if rank < len(compute_s) else 0.0
+            if not seconds > 0:
+                continue
+            if device.expected is None:
+                device.calibration.append(seconds)
+                if len(device.calibration) >= max(1, self.config.calibration_steps):
+                    # Seconds, not a bandwidth: the quantile below the median keeps a
+                    # minority of stalled steps from raising the figure.
+                    device.expected = _quantile(
+                        device.calibration, 1 - self.config.calibration_quantile
+                    )
+                continue
+            device.window.append(seconds)
+            decision = self._advance(step, rank, device)
+            if decision is not None:
+                out.append(decision)
+        return out
+
+    def _advance(self, step: int, rank: int, device: _Device) -> dict[str, Any] | None:
+        cfg, expected = self.config, device.expected
+        assert expected is not None
+        if len(device.window) < cfg.window:
+            return None
+        median = statistics.median(device.window)
+        if device.state == "normal":
+            slow = min(device.window) > expected * cfg.slow_threshold
+            fast = max(device.window) < expected / cfg.slow_threshold
+            device.streak = device.streak + 1 if slow or fast else 0
+            if device.streak < cfg.react_after:
+                return None
+            device.state, device.streak = ("slowed" if slow else "faster"), 0
+            word = "slower" if slow else "faster"
+            bound = f"> expected*{cfg.slow_threshold:g}" if slow else (
+                f"< expected/{cfg.slow_threshold:g}"
+            )  # fmt: skip
+            return {
+                "step": step, "kind": "replan", "device": rank, "name": f"device {rank}",
+                "old_s": expected, "new_s": median, "ratio": median / expected,
+                "reason": f"every compute sample of the window {bound} for {cfg.react_after} "
+                f"steps: the device computes {median / expected:.2f}x as long ({word}); re-plan "
+                "with its measured speed",
+            }  # fmt: skip
+        back = (
+            median < expected * cfg.fast_threshold
+            if device.state == "slowed"
+            else median > expected / cfg.fast_threshold
+        )
+        device.streak = device.streak + 1 if back else 0
+        if device.streak >= cfg.react_after:
+            device.state, device.streak = "normal", 0
+        return None
+
+    def ratios(self) -> dict[int, float]:
+        """Per rank not ``normal``: its window median over its expectation."""
+        out = {}
+        for rank, device in self._devices.items():
+            if device.state != "normal" and device.expected and device.window:
+                out[rank] = statistics.median(device.window) / device.expected
+        return out
+
+    def signature(self) -> list[list[Any]]:
+        """The ranks not ``normal`` with their states (what a search is tied to)."""
+        return [[r, d.state] for r, d in sorted(self._devices.items()) if d.state != "normal"]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "start": self._start,
+            "devices": {
+                str(r): {"calibration": d.calibration, "expected": d.expected,
+                         "window": list(d.window), "state": d.state, "streak": d.streak}
+                for r, d in self._devices.items()
+            },
+        }  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._start = state["start"]
+        self._devices = {}
+        for rank, d in state["devices"].items():
+            self._devices[int(rank)] = _Device(
+                calibration=[float(v) for v in d["calibration"]],
+                expected=None if d["expected"] is None else float(d["expected"]),
+                window=deque((float(v) for v in d["window"]), maxlen=self.config.window),
+                state=d["state"],
+                streak=int(d["streak"]),
+            )
+
+
+def compute_ratios(decisions: Iterable[Mapping[str, Any]]) -> dict[int, float]:
+    """The ``device -> ratio`` of compute proposals among ``decisions`` (link ones skipped)."""
+    return {int(d["device"]): float(d["ratio"]) for d in decisions if "device" in d}
+
+
+def observed_compute(
+    profile: ClusterProfile, ratios: Mapping[int, float]
+) -> tuple[ClusterProfile, dict[int, float]]:
+    """``profile`` with each device of ``ratios`` computing ``ratio`` times as long (its block
+    times and optimizer time scaled, its capability divided); returns the profile and the
+    ratios applied. A ratio must be positive and finite."""
+    applied = {}
+    devices = list(profile.devices)
+    for i, device in enumerate(devices):
+        ratio = ratios.get(device.rank)
+        if ratio is None or abs(ratio - 1) < 1e-9:
+            continue
+        if not 0 < ratio < float("inf"):
+            raise ValueError(f"observed_compute: rank {device.rank}: ratio {ratio!r}")
+
+        def scale(times: tuple[float, ...], r: float = ratio) -> tuple[float, ...]:
+            return tuple(t * r for t in times)
+
+        devices[i] = dataclasses.replace(
+            device,
+            forward_s=scale(device.forward_s),
+            backward_input_s=scale(device.backward_input_s),
+            backward_weight_s=scale(device.backward_weight_s),
+            fixed_s=scale(device.fixed_s),
+            backward_s=scale(device.backward_s),
+            optimizer_s_per_byte=device.optimizer_s_per_byte * ratio,
+            capability=device.capability / ratio,
+        )
+        applied[device.rank] = ratio
+    return dataclasses.replace(profile, devices=tuple(devices)), applied
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]

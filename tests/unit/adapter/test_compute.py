@@ -1,0 +1,161 @@
+"""The compute monitor on synthetic streams, as the link monitor is tested: no proposal on noise,
+on stalls of a minority of steps or on slow first steps; a device slowed to a third proposed on
+within the window and its streak; a device that gets faster proposed on; a recovery returns to
+normal without a proposal; the state survives a checkpoint; the observed profile scales the
+device's times. End to end (the synthetic world of ``test_adapter_decisions``): a device slowed
+to a third moves the plan, and noise moves nothing."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lightning_deepcee.adapter.compute import ComputeMonitor, compute_ratios, observed_compute
+from lightning_deepcee.adapter.gate import with_microbatches
+from lightning_deepcee.adapter.records import MonitorConfig
+from lightning_deepcee.planner import predict_plan
+from tests.helpers.adapter_world import profile_at, run_adapter, world_plan, world_profile
+
+CONFIG = MonitorConfig()  # window 5, react_after 3, thresholds 1.5 / 1.25, warm-up 5, 10 samples
+
+
+def _feed(
+    monitor: ComputeMonitor, seconds: list[list[float]], start: int = 1
+) -> list[tuple[int, dict]]:
+    out = []
+    for i, row in enumerate(seconds):
+        out += [(start + i, d) for d in monitor.observe(start + i, row)]
+    return out
+
+
+def _stream(n: int, seed: int, noise: float = 0.2, base: float = 1.0) -> list[list[float]]:
+    rng = np.random.default_rng(seed)
+    return [[base * rng.uniform(1 - noise, 1 + noise), 0.0, 2.0] for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_no_proposal_on_noise(seed: int) -> None:
+    monitor = ComputeMonitor([0, 2], CONFIG)
+    assert _feed(monitor, _stream(500, seed)) == []
+    assert monitor.signature() == []
+
+
+def test_no_proposal_on_slow_first_steps_or_a_minority_of_stalls() -> None:
+    monitor = ComputeMonitor([0, 2], CONFIG)
+    slow_start = [[5.0, 0.0, 10.0]] * 5  # the warm-up: left out
+    stalls = [[3.0 if i % 3 == 0 else 1.0, 0.0, 2.0] for i in range(300)]  # a third of the steps
+    assert _feed(monitor, slow_start + stalls) == []
+
+
+def test_a_device_slowed_to_a_third_is_proposed_on_once() -> None:
+    monitor = ComputeMonitor([0, 2], CONFIG)
+    steady = [[1.0, 0.0, 2.0]] * 30
+    slowed = [[3.0, 0.0, 2.0]] * 30
+    proposals = _feed(monitor, steady + slowed)
+    ((step, decision),) = proposals
+    # The window holds only slowed samples at the 5th; the streak reaches 3 two steps later.
+    assert step == 30 + 5 + 2
+    assert decision["device"] == 0 and decision["kind"] == "replan"
+    assert decision["ratio"] == pytest.approx(3.0) and decision["old_s"] == pytest.approx(1.0)
+    assert monitor.signature() == [[0, "slowed"]]
+    assert monitor.ratios() == {0: pytest.approx(3.0)}
+    # Back to its figure: normal again, with no proposal.
+    assert _feed(monitor, [[1.0, 0.0, 2.0]] * 20, start=61) == []
+    assert monitor.signature() == [] and monitor.ratios() == {}
+
+
+def test_a_device_that_gets_faster_is_proposed_on() -> None:
+    monitor = ComputeMonitor([2], CONFIG)
+    proposals = _feed(monitor, [[0.0, 0.0, 3.0]] * 20 + [[0.0, 0.0, 1.0]] * 20)
+    ((_, decision),) = proposals
+    assert decision["device"] == 2 and decision["ratio"] == pytest.approx(1 / 3)
+    assert "faster" in decision["reason"]
+
+
+def test_a_rank_that_does_not_train_is_not_judged() -> None:
+    monitor = ComputeMonitor([0], CONFIG)
+    assert _feed(monitor, [[1.0, 5.0, 0.0]] * 20 + [[1.0, 50.0, 0.0]] * 20) == []
+    assert monitor.ranks == [0]
+
+
+def test_the_monitor_survives_a_checkpoint() -> None:
+    monitor = ComputeMonitor([0, 2], CONFIG)
+    head = [[1.0, 0.0, 2.0]] * 30 + [[3.0, 0.0, 2.0]] * 4
+    tail = [[3.0, 0.0, 2.0]] * 10
+    _feed(monitor, head)
+    restored = ComputeMonitor([], CONFIG)
+    restored.load_state_dict(json.loads(json.dumps(monitor.state_dict())))
+    assert _feed(restored, tail, start=35) == _feed(monitor, tail, start=35) != []
+
+
+def test_the_observed_profile_scales_the_slowed_devices_times() -> None:
+    profile = world_profile()
+    slowed, applied = observed_compute(profile, {2: 3.0, 0: 1.0})
+    assert applied == {2: 3.0}
+    device = slowed.devices[2]
+    assert device.forward_s == tuple(3 * t for t in profile.devices[2].forward_s)
+    assert device.backward_weight_s == tuple(3 * t for t in profile.devices[2].backward_weight_s)
+    assert device.capability == pytest.approx(profile.devices[2].capability / 3)
+    assert slowed.devices[0] == profile.devices[0]
+    plan = world_plan()  # device 2 holds the second stage alone: its step takes longer
+    assert predict_plan(slowed, plan).step_time_s > predict_plan(profile, plan).step_time_s
+    with pytest.raises(ValueError, match="ratio"):
+        observed_compute(profile, {1: 0.0})
+    decisions = [{"device": 2, "ratio": 3.0}, {"link": [0, 2], "old_bandwidth": 1.0}]
+    assert compute_ratios(decisions) == {2: 3.0}
+
+
+def _slow(step: int) -> float:
+    return 3.0 if step >= 60 else 1.0
+
+
+def _slowed_world(step: int, strategy: Any, fraction: float) -> float:
+    """The cost model's step for what runs now, with device 2 at ``_slow(step)``."""
+    profile, _ = observed_compute(profile_at(fraction), {2: _slow(step)})
+    running = with_microbatches(strategy.plan, strategy.num_microbatches)
+    return float(predict_plan(profile, running).step_time_s)
+
+
+def test_a_device_slowed_to_a_third_moves_the_plan_away_from_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run = run_adapter(
+        monkeypatch, 140, world=_slowed_world, compute=lambda step: [0.5, 0.5, 0.5 * _slow(step)]
+    )
+    (proposal,) = [d for d in run.adapter.decisions if d.get("device") is not None]
+    # Window full of slowed samples at 64, the streak of 3 at 66.
+    assert proposal["step"] == 66 and proposal["device"] == 2
+    (applied,) = run.kinds("replan-applied")
+    assert applied["step"] > 66 and "device 2 computing x3.00" in applied["reason"]
+    assert [d["action"] for d in run.kinds("confirmed")] == ["replan"]
+    slowed, _ = observed_compute(profile_at(1.0), {2: 3.0})
+    moved = run.strategy.plan
+    assert predict_plan(slowed, moved).step_time_s < predict_plan(slowed, world_plan()).step_time_s
+    assert run.strategy.cluster_profile.devices[2].capability == pytest.approx(1 / 3)
+
+
+def test_an_unchanged_device_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(0)
+    run = run_adapter(monkeypatch, 200, compute=lambda step: list(rng.uniform(0.4, 0.6, 3)))
+    assert [d for d in run.adapter.decisions if "device" in d] == []
+    assert run.strategy.moves == []
+
+
+def test_the_exchange_carries_every_ranks_compute_seconds() -> None:
+    from lightning_deepcee.adapter.exchange import pack, unpack
+    from lightning_deepcee.runtime.transport import TransferRecord
+
+    pairs = [(0, 1), (1, 0)]
+    parts = [
+        pack(pairs, [TransferRecord(1, 2**20, 0.5, "recv", 0.1)] if rank == 0 else [],
+             rank=rank, world=2, min_bytes=1, step_s=1.0 + rank, count=rank, search_done=False,
+             compute_s=0.25 * (rank + 1))
+        for rank in range(2)
+    ]  # fmt: skip
+    summed = [a + b for a, b in zip(*parts, strict=True)]
+    landed = unpack(7, pairs, 2, summed)
+    assert landed.compute_s == (0.25, 0.5)
+    assert landed.rows == [[1, 0, 2**20, 0.1]] and landed.slowest_s == 2.0 and landed.anyone
