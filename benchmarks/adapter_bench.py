@@ -889,8 +889,9 @@ def _plot(result: dict[str, Any], phases: list[tuple[str, float, float]], path: 
     g = result["config"]["global_batch"]
     fig, ax = plt.subplots(figsize=(8, 3.6))
     for name, start, end in phases:
-        if name == "degraded":
-            ax.axvspan(start, end, color="#f4cccc", label="link degraded")
+        if name in ("degraded", "jitter"):
+            changed = "device slowed" if "cpu" in result["config"]["trace"][0] else f"link {name}"
+            ax.axvspan(start, end, color="#f4cccc", label=changed)
     for mode, colour in (("off", "#888888"), ("on", "#4c72b0"), ("oracle", "#55a868")):
         for i, run in enumerate(mode_runs(result, mode)):
             records = with_spans(run.get("records", []))
