@@ -38,6 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lightning_deepcee.adapter.monitor import quantile
 from lightning_deepcee.adapter.records import MonitorConfig
 from lightning_deepcee.profiler.data import ClusterProfile
 
@@ -85,7 +86,7 @@ class ComputeMonitor:
                 if len(device.calibration) >= max(1, self.config.calibration_steps):
                     # Seconds, not a bandwidth: the quantile below the median keeps a
                     # minority of stalled steps from raising the figure.
-                    device.expected = _quantile(
+                    device.expected = quantile(
                         device.calibration, 1 - self.config.calibration_quantile
                     )
                 continue
@@ -199,8 +200,3 @@ def observed_compute(
         )
         applied[device.rank] = ratio
     return dataclasses.replace(profile, devices=tuple(devices)), applied
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]

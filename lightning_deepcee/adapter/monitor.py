@@ -68,6 +68,7 @@ __all__ = [
     "SharedLink",
     "describe_link",
     "observations_from_transfers",
+    "quantile",
 ]
 
 _STATE_DICT_VERSION = 2
@@ -411,7 +412,7 @@ class LinkMonitor:
         track.calibration.append(track.together[-1])
         if len(track.calibration) < self.config.calibration_steps:
             return
-        calibrated = _quantile(track.calibration, self.config.calibration_quantile)
+        calibrated = quantile(track.calibration, self.config.calibration_quantile)
         track.expected = calibrated if track.planned is None else min(track.planned, calibrated)
 
     def _advance(self, step: int, track: _Track) -> list[Decision]:
@@ -541,7 +542,7 @@ class LinkMonitor:
         )
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
+def quantile(values: Sequence[float], q: float) -> float:
     """Linear interpolation between the closest ranks (numpy's default)."""
     ordered = sorted(values)
     position = q * (len(ordered) - 1)
