@@ -45,18 +45,21 @@ __all__ = [
 ]
 
 PROBE_TARGET_S = 0.1
-"""A probe message takes about this long on its link at the figure the link had before it fell
-(a tenth of a step on the lab; at a tenth of that figure, one second)."""
-_MIN_PROBE_BYTES = 256 * 2**10
+"""A probe message takes about this long on its link as it runs now: the sender sizes each
+message from the rate of its last round. Sized for the figure before the fall, a message on a
+link at a tenth would hold the link for a second, and the small messages that cross it meanwhile
+(the adapter's per-step all-reduce, which the idle ranks behind it join) would wait as long."""
+_MIN_PROBE_BYTES = 64 * 2**10
 _MAX_PROBE_BYTES = 4 * 2**20
 
 
-def probe_bytes(expected: float) -> int:
-    """The probe message's size for a link that delivered ``expected`` bytes/s: about
-    :data:`PROBE_TARGET_S` of transfer, within 256 KiB and 4 MiB (the profiler's large message)."""
-    if not expected > 0:
+def probe_bytes(rate: float) -> int:
+    """The probe message's size for a link that now delivers ``rate`` bytes/s (0: unknown, the
+    first message): about :data:`PROBE_TARGET_S` of transfer, within 64 KiB and 4 MiB (the
+    profiler's large message)."""
+    if not rate > 0:
         return _MIN_PROBE_BYTES
-    return int(min(max(expected * PROBE_TARGET_S, _MIN_PROBE_BYTES), _MAX_PROBE_BYTES))
+    return int(min(max(rate * PROBE_TARGET_S, _MIN_PROBE_BYTES), _MAX_PROBE_BYTES))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

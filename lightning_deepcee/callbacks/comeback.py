@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import lightning.pytorch as pl
@@ -99,9 +100,9 @@ class ComeBack:
 
     def _open_probes(self, rank: int) -> None:
         assert self.watch is not None
-        opener = self._open or open_link_probe
+        opener = self._open or partial(open_link_probe, resize=probe_bytes)
         for link in self.watch.links:
-            probe = opener(link.probe, rank, probe_bytes(link.expected))
+            probe = opener(link.probe, rank, probe_bytes(0.0))
             if probe is not None:
                 self._probes.append(probe)
 

@@ -6,8 +6,10 @@ alone, the sender's thread sends a header and then a payload of ``num_bytes``; t
 thread stamps the header's arrival and the payload's, as the transport stamps a training
 transfer (the difference is the payload's time on the wire), and answers with a one-byte ack.
 The sender then rests ``rest_factor`` times the round's duration, so the probe takes at most
-``1 / (1 + rest_factor)`` of the link (a quarter by default) and the small messages that still
-cross it (the adapter's per-step all-reduce) are not queued behind it for long.
+``1 / (1 + rest_factor)`` of the link (a quarter by default), and sizes its next payload from the
+round's rate (``resize``), so that a message holds the link as it runs now for a bounded time and
+the small messages that still cross it (the adapter's per-step all-reduce) are not queued behind
+it for long.
 
 :meth:`LinkProbe.close` stops both threads cleanly: the sender finishes its round and sends a
 stop header, which the receiver's thread takes as its last message, so no receive is left
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +46,7 @@ class LinkProbe:
         group: Any,
         *,
         rest_factor: float = 3.0,
+        resize: Callable[[float], int] | None = None,
     ) -> None:
         if rank not in (src, dst) or src == dst:
             raise ValueError(f"LinkProbe: rank {rank} is not an end of the pair {src}->{dst}")
@@ -52,6 +56,8 @@ class LinkProbe:
         self.num_bytes = int(num_bytes)
         self.group = group
         self.rest_factor = float(rest_factor)
+        self.resize = resize
+        """The next payload's size from the last round's rate (bytes/s); ``None``: fixed."""
         self.error: BaseException | None = None
         """What ended the thread early (a lost peer), if anything."""
         self._stop = threading.Event()
@@ -76,16 +82,19 @@ class LinkProbe:
 
     # ------------------------------------------------------------------------- threads
     def _send_loop(self) -> None:
-        header = torch.tensor([1, self.num_bytes], dtype=torch.int64)
-        payload = torch.zeros(self.num_bytes, dtype=torch.uint8)
+        num_bytes = self.num_bytes
         ack = torch.zeros(1, dtype=torch.uint8)
         try:
             while not self._stop.is_set():
                 started = time.perf_counter()
+                header = torch.tensor([1, num_bytes], dtype=torch.int64)
                 dist.send(header, self.dst, group=self.group)
-                dist.send(payload, self.dst, group=self.group)
+                dist.send(torch.zeros(num_bytes, dtype=torch.uint8), self.dst, group=self.group)
                 dist.recv(ack, self.dst, group=self.group)
-                self._stop.wait(self.rest_factor * (time.perf_counter() - started))
+                round_s = time.perf_counter() - started
+                if self.resize is not None and round_s > 0:
+                    num_bytes = max(1, int(self.resize(num_bytes / round_s)))
+                self._stop.wait(self.rest_factor * round_s)
             dist.send(torch.zeros(2, dtype=torch.int64), self.dst, group=self.group)
         except BaseException as exc:  # a lost peer: the probe ends, training decides
             self.error = exc
@@ -111,9 +120,16 @@ class LinkProbe:
             self.error = exc
 
 
-def open_link_probe(pair: tuple[int, int], rank: int, num_bytes: int) -> LinkProbe | None:
+def open_link_probe(
+    pair: tuple[int, int],
+    rank: int,
+    num_bytes: int,
+    *,
+    resize: Callable[[float], int] | None = None,
+) -> LinkProbe | None:
     """Make the pair's process group (a collective: every rank calls it, in the same order) and,
-    on the pair's two ranks, start their ends of a :class:`LinkProbe`."""
+    on the pair's two ranks, start their ends of a :class:`LinkProbe` (first payload
+    ``num_bytes``, the next ones sized by ``resize``)."""
     from lightning_deepcee.runtime.stage_groups import unbound_gloo_default_group
 
     src, dst = pair
@@ -121,4 +137,4 @@ def open_link_probe(pair: tuple[int, int], rank: int, num_bytes: int) -> LinkPro
         group = dist.new_group(sorted((src, dst)), backend="gloo")
     if rank not in (src, dst):
         return None
-    return LinkProbe(src, dst, rank, num_bytes, group)
+    return LinkProbe(src, dst, rank, num_bytes, group, resize=resize)

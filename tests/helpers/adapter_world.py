@@ -185,7 +185,7 @@ def run_adapter(
     gather = lambda out, obj: out.__setitem__(0, obj)  # noqa: E731
     monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
     monkeypatch.setattr(replanning, "SearchProcess", AtOnce)  # searches land on a known step
-    monkeypatch.setattr(coming_back, "open_link_probe", lambda pair, rank, size: None)
+    monkeypatch.setattr(coming_back, "open_link_probe", lambda pair, rank, size, **_: None)
     trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=0)
     adapter.on_train_start(trainer, None)
     microbatches = []

@@ -1,6 +1,7 @@
 """LinkProbe over gloo: the receiver gets samples of the message size with wire times, the
-sender rests between rounds, a rank outside the pair gets no probe, both ends stop cleanly at
-the same step, and training's own messages on the default group pass meanwhile."""
+sender rests between rounds and sizes its next payload by ``resize``, a rank outside the pair
+gets no probe, both ends stop cleanly at the same step, and training's own messages on the
+default group pass meanwhile."""
 
 from __future__ import annotations
 
@@ -19,12 +20,19 @@ pytestmark = pytest.mark.multiprocess
 
 WORLD = 3
 SIZE = 512 * 2**10
+NEXT = 96 * 2**10
+
+
+def _next_size(rate: float) -> int:
+    """The probe's resize: the rate was positive, and the next payload is NEXT bytes."""
+    assert rate > 0
+    return NEXT
 
 
 def _worker(rank: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
-    probe = open_link_probe((0, 2), rank, SIZE)
+    probe = open_link_probe((0, 2), rank, SIZE, resize=_next_size)
     samples = []
     chain = []
     for _ in range(10):  # "steps": a chain 0 -> 1 -> 2 on the default group
@@ -66,9 +74,9 @@ def test_a_probe_times_its_messages_and_stops_cleanly(tmp_path: Path) -> None:
     assert results[0]["samples"] == [] and results[1]["samples"] == []
     received = results[2]["samples"]
     assert len(received) >= 2
-    assert all(
-        peer == 0 and size == SIZE and direction == "recv" for peer, size, _, direction in received
-    )
+    assert all(peer == 0 and direction == "recv" for peer, _, _, direction in received)
+    # the first payload is the size asked for, the next ones what resize said
+    assert [size for _, size, _, _ in received] == [SIZE] + [NEXT] * (len(received) - 1)
     assert all(wire_s > 0 for _, _, wire_s, _ in received)
     assert results[2]["chain"] == [2.0] * 10 and results[1]["chain"] == [1.0] * 10
 

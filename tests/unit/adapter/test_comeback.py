@@ -59,11 +59,12 @@ def test_an_idle_sender_is_preferred_when_no_receiver_is_idle() -> None:
     assert left.probe == (2, 0)
 
 
-def test_probe_size_is_a_tenth_of_a_second_within_bounds() -> None:
+def test_probe_size_is_a_tenth_of_a_second_at_the_rate_now_within_bounds() -> None:
     assert probe_bytes(E) == int(E * 0.1)
-    assert probe_bytes(1e3) == 256 * 2**10
+    assert probe_bytes(E / 10) == int(E / 100)  # a link at a tenth: still a tenth of a second
+    assert probe_bytes(1e3) == 64 * 2**10
     assert probe_bytes(1e12) == 4 * 2**20
-    assert probe_bytes(0.0) == 256 * 2**10
+    assert probe_bytes(0.0) == 64 * 2**10
 
 
 def _watch(window: int = 5) -> ComeBackWatch:
