@@ -74,11 +74,17 @@ class LinkProbe:
         return records
 
     def close(self, timeout_s: float = 60.0) -> bool:
-        """Stop both ends (call on both at the same step); False if the thread did not end
-        within ``timeout_s`` (a peer lost or a link stalled: it is left as a daemon)."""
+        """Stop both ends (call on both at the same step) and, when the thread ended cleanly,
+        destroy the pair's group (its connections and threads); False if the thread did not
+        end within ``timeout_s`` (a peer lost or a link stalled: it is left as a daemon)."""
         self._stop.set()
         self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        if self._thread.is_alive():
+            return False
+        if self.error is None and self.group is not None:  # both ends done: free its group
+            dist.destroy_process_group(self.group)
+            self.group = None
+        return True
 
     # ------------------------------------------------------------------------- threads
     def _send_loop(self) -> None:

@@ -50,12 +50,14 @@ def _worker(rank: int, init: str, out: str) -> None:
     if probe is not None:
         samples += [[r.peer, r.num_bytes, r.wire_s, r.direction] for r in probe.take()]
     error = None if probe is None or probe.error is None else str(probe.error)
+    freed = probe is None or probe.group is None
     Path(out, f"rank{rank}.json").write_text(
         json.dumps(
             {
                 "probe": probe is not None,
                 "samples": samples,
                 "stopped": stopped,
+                "freed": freed,
                 "error": error,
                 "chain": chain,
             }
@@ -70,7 +72,7 @@ def test_a_probe_times_its_messages_and_stops_cleanly(tmp_path: Path) -> None:
     mp.start_processes(_worker, args=(init, str(tmp_path)), nprocs=WORLD, start_method="spawn")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert [r["probe"] for r in results] == [True, False, True]
-    assert all(r["stopped"] and r["error"] is None for r in results)
+    assert all(r["stopped"] and r["error"] is None and r["freed"] for r in results)
     assert results[0]["samples"] == [] and results[1]["samples"] == []
     received = results[2]["samples"]
     assert len(received) >= 2
