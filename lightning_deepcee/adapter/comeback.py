@@ -14,6 +14,12 @@ per-step exchange. Here:
 - :class:`ComeBackWatch`: a window of probe samples per link; a link has recovered when the
   window is full and its median is back above ``expected / fast_threshold`` (the monitor's own
   rule for a degraded link's return);
+- :func:`abandoned_devices` and :class:`DeviceWatch`: the same for a device a move left idle
+  because it computed slower (another tenant): nothing trains there to show its recovery, so
+  the device times a fixed piece of compute now and then (``runtime/compute_probe.py``) and the
+  seconds travel in the exchange's compute slot of that rank. The first ``window`` samples are
+  the device as it was left (slowed); it has recovered when a window's median is below that
+  figure by ``slow_threshold`` (the compute monitor's own threshold for a change);
 - :func:`choose_return`: the plan left, predicted on its own profile with each probed link at
   what the probe measures, against the running plan's step, each by its own clock where both
   have a reference (the model's error differs from plan to plan); the move back is made when it
@@ -38,6 +44,8 @@ __all__ = [
     "PROBE_TARGET_S",
     "Abandoned",
     "ComeBackWatch",
+    "DeviceWatch",
+    "abandoned_devices",
     "abandoned_links",
     "choose_return",
     "probe_bytes",
@@ -213,6 +221,90 @@ class ComeBackWatch:
         return watch
 
 
+def abandoned_devices(replans: Iterable[Mapping[str, Any]], idle: Collection[int]) -> list[int]:
+    """The devices of ``replans``' compute proposals that computed slower (``ratio`` above one)
+    and that the new plan leaves idle (``idle``): the ones to watch for their recovery."""
+    return sorted(
+        {
+            int(d["device"])
+            for d in replans
+            if "device" in d and float(d["ratio"]) > 1 and int(d["device"]) in idle
+        }
+    )
+
+
+class DeviceWatch:
+    """Compute probe seconds of the devices left idle, a window of ``window`` per device after
+    as many calibration samples (the device as it was left); every rank sees the same."""
+
+    def __init__(self, devices: Sequence[int], *, window: int, slow_threshold: float) -> None:
+        if window < 1:
+            raise ValueError(f"DeviceWatch: window must be at least 1, got {window}")
+        if not slow_threshold > 1:
+            raise ValueError(f"DeviceWatch: slow_threshold must be above 1, got {slow_threshold}")
+        self.devices = sorted(int(d) for d in devices)
+        self.window = window
+        self.slow_threshold = slow_threshold
+        self.calibration: dict[int, list[float]] = {d: [] for d in self.devices}
+        self.samples: dict[int, list[float]] = {d: [] for d in self.devices}
+
+    def observe(self, compute_s: Sequence[float]) -> None:
+        """One step's exchanged compute seconds (indexed by rank; 0 where no probe ended)."""
+        for device in self.devices:
+            seconds = float(compute_s[device]) if device < len(compute_s) else 0.0
+            if not seconds > 0:
+                continue
+            calibration = self.calibration[device]
+            if len(calibration) < self.window:
+                calibration.append(seconds)
+                continue
+            window = self.samples[device]
+            window.append(seconds)
+            del window[: -self.window]
+
+    def slowed_s(self, device: int) -> float | None:
+        """The probe's seconds on ``device`` as it was left (its calibration's median)."""
+        calibration = self.calibration[device]
+        return statistics.median(calibration) if len(calibration) >= self.window else None
+
+    def speedup(self, device: int) -> float | None:
+        """How many times faster the probe runs now than when the device was left (a full
+        window's median), or ``None`` before that."""
+        slowed, window = self.slowed_s(device), self.samples[device]
+        if slowed is None or len(window) < self.window:
+            return None
+        return slowed / statistics.median(window)
+
+    def recovered(self) -> list[int]:
+        """The devices whose probe runs ``slow_threshold`` times faster than when left."""
+        out = []
+        for device in self.devices:
+            speedup = self.speedup(device)
+            if speedup is not None and speedup > self.slow_threshold:
+                out.append(device)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "devices": self.devices, "window": self.window, "slow_threshold": self.slow_threshold,
+            "calibration": [[d, w] for d, w in sorted(self.calibration.items())],
+            "samples": [[d, w] for d, w in sorted(self.samples.items())],
+        }  # fmt: skip
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> DeviceWatch:
+        watch = cls(
+            state["devices"],
+            window=int(state["window"]),
+            slow_threshold=float(state["slow_threshold"]),
+        )
+        for device, values in state["calibration"]:
+            watch.calibration[int(device)] = [float(v) for v in values]
+        for device, values in state["samples"]:
+            watch.samples[int(device)] = [float(v) for v in values]
+        return watch
+
+
 def restored_profile(left_profile: ClusterProfile, watch: ComeBackWatch) -> ClusterProfile:
     """The profile of the plan left, with each probed link at what its probe measures (a
     recovered link keeps the profile's figure)."""
@@ -238,7 +330,7 @@ def choose_return(
     apply = new_s < current_s
     left_is = "predicted" if left_scale == 1.0 else "expected, by its clock,"
     reason = (
-        f"the link(s) left are back: the plan left is {left_is} {new_s * 1e3:.1f} ms on them, "
+        f"what it left is back: the plan left is {left_is} {new_s * 1e3:.1f} ms on it, "
         f"the running plan {current_is} {current_s * 1e3:.1f} ms"
     )
     return ReplanChoice(

@@ -22,11 +22,16 @@ bandwidths:
   ``react_after`` steps in a row (no proposal: the clock and the plan searched for the slow
   device decide what to keep);
 - ``normal -> faster`` and back, the same way upwards (a device that got its CPU back while it
-  trains), proposing a ``replan`` with the change.
+  trains), proposing a ``replan`` with the change; but not while the step is slower than its
+  own calibrated figure (the slowest rank's step, calibrated like the compute): a device reads
+  faster when it waits for another one (under a CPU quota a waiting device starts each burst
+  with its period's budget whole, so its actions stall less), and the plan's devices do not get
+  faster together with a slower step.
 
 :func:`observed_compute` scales a slowed device's block times in the profile by its measured
 ratio, as :func:`~lightning_deepcee.adapter.observed_profile` scales a link's bandwidth, so the
-planner sees the device as it runs now.
+planner sees the device as it runs now; as a link's rise is, a device's speed-up is capped at
+its figure in the profile measured at setup (``ceiling``).
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ class ComputeMonitor:
     def __init__(self, ranks: Iterable[int], config: MonitorConfig) -> None:
         self.config = config
         self._devices = {int(r): _Device(window=deque(maxlen=config.window)) for r in ranks}
+        self._step = _Device(window=deque(maxlen=config.window))
+        """The slowest rank's step seconds, calibrated and windowed as a device's compute."""
         self._start: int | None = None
 
     @property
@@ -69,32 +76,47 @@ class ComputeMonitor:
         """The ranks watched (those that train)."""
         return sorted(self._devices)
 
-    def observe(self, step: int, compute_s: Sequence[float]) -> list[dict[str, Any]]:
+    def observe(
+        self, step: int, compute_s: Sequence[float], step_s: float = 0.0
+    ) -> list[dict[str, Any]]:
         """Take step ``step``'s compute seconds (indexed by rank; 0 where a rank did not train)
-        and return the proposals (``Decision``-like dicts with ``device`` instead of a link)."""
+        and its slowest rank's step seconds ``step_s`` (0: unknown), and return the proposals
+        (``Decision``-like dicts with ``device`` instead of a link)."""
         if self._start is None:
             self._start = step
         if step < self._start + self.config.warmup_steps:
             return []
+        if step_s > 0 and not self._calibrate(self._step, float(step_s)):
+            self._step.window.append(float(step_s))
         out = []
         for rank, device in sorted(self._devices.items()):
             seconds = float(compute_s[rank]) if rank < len(compute_s) else 0.0
-            if not seconds > 0:
-                continue
-            if device.expected is None:
-                device.calibration.append(seconds)
-                if len(device.calibration) >= max(1, self.config.calibration_steps):
-                    # Seconds, not a bandwidth: the quantile below the median keeps a
-                    # minority of stalled steps from raising the figure.
-                    device.expected = quantile(
-                        device.calibration, 1 - self.config.calibration_quantile
-                    )
+            if not seconds > 0 or self._calibrate(device, seconds):
                 continue
             device.window.append(seconds)
             decision = self._advance(step, rank, device)
             if decision is not None:
                 out.append(decision)
         return out
+
+    def _calibrate(self, device: _Device, seconds: float) -> bool:
+        """Add a calibration sample while ``device`` has no figure; True when it took it."""
+        if device.expected is not None:
+            return False
+        device.calibration.append(seconds)
+        if len(device.calibration) >= max(1, self.config.calibration_steps):
+            # Seconds, not a bandwidth: the quantile below the median keeps a minority of
+            # stalled steps from raising the figure.
+            device.expected = quantile(device.calibration, 1 - self.config.calibration_quantile)
+        return True
+
+    def step_slower(self) -> bool:
+        """The window's median step is above its calibrated figure by the hysteresis band
+        (``fast_threshold``): a device reading faster meanwhile waits for another."""
+        expected, window = self._step.expected, self._step.window
+        if expected is None or not window:
+            return False
+        return statistics.median(window) > expected * self.config.fast_threshold
 
     def _advance(self, step: int, rank: int, device: _Device) -> dict[str, Any] | None:
         cfg, expected = self.config, device.expected
@@ -104,7 +126,7 @@ class ComputeMonitor:
         median = statistics.median(device.window)
         if device.state == "normal":
             slow = min(device.window) > expected * cfg.slow_threshold
-            fast = max(device.window) < expected / cfg.slow_threshold
+            fast = max(device.window) < expected / cfg.slow_threshold and not self.step_slower()
             device.streak = device.streak + 1 if slow or fast else 0
             if device.streak < cfg.react_after:
                 return None
@@ -145,24 +167,33 @@ class ComputeMonitor:
     def state_dict(self) -> dict[str, Any]:
         return {
             "start": self._start,
-            "devices": {
-                str(r): {"calibration": d.calibration, "expected": d.expected,
-                         "window": list(d.window), "state": d.state, "streak": d.streak}
-                for r, d in self._devices.items()
-            },
-        }  # fmt: skip
+            "devices": {str(r): _device_state(d) for r, d in self._devices.items()},
+            "step": _device_state(self._step),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._start = state["start"]
-        self._devices = {}
-        for rank, d in state["devices"].items():
-            self._devices[int(rank)] = _Device(
-                calibration=[float(v) for v in d["calibration"]],
-                expected=None if d["expected"] is None else float(d["expected"]),
-                window=deque((float(v) for v in d["window"]), maxlen=self.config.window),
-                state=d["state"],
-                streak=int(d["streak"]),
-            )
+        window = self.config.window
+        self._devices = {int(r): _load_device(d, window) for r, d in state["devices"].items()}
+        step = state.get("step")  # absent in a state saved before the step was watched
+        self._step = _Device(window=deque(maxlen=window)) if step is None else (
+            _load_device(step, window)
+        )  # fmt: skip
+
+
+def _device_state(d: _Device) -> dict[str, Any]:
+    return {"calibration": d.calibration, "expected": d.expected, "window": list(d.window),
+            "state": d.state, "streak": d.streak}  # fmt: skip
+
+
+def _load_device(d: Mapping[str, Any], window: int) -> _Device:
+    return _Device(
+        calibration=[float(v) for v in d["calibration"]],
+        expected=None if d["expected"] is None else float(d["expected"]),
+        window=deque((float(v) for v in d["window"]), maxlen=window),
+        state=d["state"],
+        streak=int(d["streak"]),
+    )
 
 
 def compute_ratios(decisions: Iterable[Mapping[str, Any]]) -> dict[int, float]:
@@ -171,19 +202,27 @@ def compute_ratios(decisions: Iterable[Mapping[str, Any]]) -> dict[int, float]:
 
 
 def observed_compute(
-    profile: ClusterProfile, ratios: Mapping[int, float]
+    profile: ClusterProfile,
+    ratios: Mapping[int, float],
+    ceiling: ClusterProfile | None = None,
 ) -> tuple[ClusterProfile, dict[int, float]]:
     """``profile`` with each device of ``ratios`` computing ``ratio`` times as long (its block
     times and optimizer time scaled, its capability divided); returns the profile and the
-    ratios applied. A ratio must be positive and finite."""
+    ratios applied. A ratio must be positive and finite. With ``ceiling`` (the profile measured
+    at setup) no device is made faster than it is there: a ratio below one is raised to what
+    brings the device back to that figure (a device slowed in ``profile`` may recover that far)."""
     applied = {}
     devices = list(profile.devices)
+    measured = {} if ceiling is None else {d.rank: d for d in ceiling.devices}
     for i, device in enumerate(devices):
         ratio = ratios.get(device.rank)
+        if ratio is not None and not 0 < ratio < float("inf"):
+            raise ValueError(f"observed_compute: rank {device.rank}: ratio {ratio!r}")
+        if ratio is not None and ratio < 1 and device.rank in measured:
+            now, setup = sum(device.block_seconds), sum(measured[device.rank].block_seconds)
+            ratio = min(1.0, max(ratio, setup / now)) if now > 0 else 1.0
         if ratio is None or abs(ratio - 1) < 1e-9:
             continue
-        if not 0 < ratio < float("inf"):
-            raise ValueError(f"observed_compute: rank {device.rank}: ratio {ratio!r}")
 
         def scale(times: tuple[float, ...], r: float = ratio) -> tuple[float, ...]:
             return tuple(t * r for t in times)

@@ -13,6 +13,12 @@ the fastest if it beats the running plan by the margin: the move needs no search
 still confirms it (``adapter/guard.py``). A change that none of them answers (a link at a third,
 a link the plan does not use) goes to the search as before.
 
+Each is searched in the running plan's neighbourhood (:func:`neighbourhood_search`): on the
+devices it trains on (dropping any of them is in reach, idle ones are not), over the two
+generated schedule kinds and its own, at half, the same and twice its micro-batch count. That
+is about a third of a full search's CPU, which decides whether the plans are ready when the
+change comes on a searcher at a few percent of a core.
+
 :func:`device_contingency_profiles` does the same for the devices that train: each at
 ``COMPUTE_FACTOR`` times its block times (another tenant taking two thirds of it), so that a
 device that slows down (``adapter/compute.py``) finds its plan ready too.
@@ -27,7 +33,10 @@ from lightning_deepcee.adapter.links import plan_pairs
 from lightning_deepcee.adapter.replan import ReplanChoice, placement_key
 from lightning_deepcee.planner.cost_model import predict_plan
 from lightning_deepcee.planner.plan import Plan
+from lightning_deepcee.planner.prediction import CostModelConfig
 from lightning_deepcee.planner.profile_arrays import ProfileArrays
+from lightning_deepcee.planner.search import DEVICE_GAIN, plan_search
+from lightning_deepcee.planner.subsets import lift, restrict
 from lightning_deepcee.profiler.data import ClusterProfile
 
 __all__ = [
@@ -36,6 +45,7 @@ __all__ = [
     "choose_contingency",
     "contingency_profiles",
     "device_contingency_profiles",
+    "neighbourhood_search",
 ]
 
 CONTINGENCY_FACTOR = 0.1
@@ -82,6 +92,34 @@ def device_contingency_profiles(
         raise ValueError(f"device_contingency_profiles: factor must be above 1, got {factor!r}")
     ranks = sorted({r for stage in plan.stages for r in stage.ranks})
     return [(f"device {r}", observed_compute(profile, {r: factor})[0]) for r in ranks]
+
+
+def neighbourhood_search(
+    scenario: ClusterProfile,
+    plan: Plan,
+    *,
+    device_gain: float = DEVICE_GAIN,
+    config: CostModelConfig | None = None,
+) -> Plan:
+    """The plan for ``scenario`` near the running ``plan``: searched on ``plan``'s training
+    devices only (subsets of them included), over 1F1B, ZB-H1 and ``plan``'s own schedule
+    kind, at half, the same and twice its micro-batch count; returned on the whole cluster
+    (the other ranks idle). Raises ``ValueError`` when nothing fits."""
+    from lightning_deepcee.schedule import COST_AWARE_SCHEDULE_KINDS
+
+    ranks = sorted({r for stage in plan.stages for r in stage.ranks})
+    m = plan.num_microbatches
+    own = [plan.schedule] if plan.schedule in COST_AWARE_SCHEDULE_KINDS else []
+    found = plan_search(
+        restrict(scenario, ranks),
+        num_blocks=plan.num_blocks,
+        global_batch_size=plan.global_batch_size,
+        schedules=tuple(dict.fromkeys(("1f1b", "zb-h1", *own))),
+        microbatch_candidates=tuple(sorted({max(1, m // 2), m, 2 * m})),
+        device_gain=device_gain,
+        config=config,
+    )
+    return lift(found, ranks, scenario.num_devices)
 
 
 def choose_contingency(

@@ -44,6 +44,7 @@ __all__ = [
     "link_figures",
     "observed_profile",
     "placement_key",
+    "profile_drift",
 ]
 
 
@@ -192,6 +193,35 @@ def observed_profile(
         profile, bandwidth_bytes_per_s=tuple(tuple(row) for row in matrix)
     )
     return updated, changes
+
+
+def profile_drift(before: ClusterProfile, after: ClusterProfile, tolerance: float) -> list[str]:
+    """What changed by more than ``tolerance`` (a factor above one) either way between two
+    observed profiles of one cluster: a link's bandwidth, a device's compute (its blocks'
+    summed seconds). A search made on ``before`` is stale only for these; a monitor's state that
+    changed without moving a figure (a link faster than its setup figure, where rises are
+    capped) leaves the search's plan as good as it was."""
+    if not tolerance > 1:
+        raise ValueError(f"profile_drift: tolerance must be above 1, got {tolerance!r}")
+    if before.num_devices != after.num_devices:
+        raise ValueError("profile_drift: the profiles are of different clusters")
+
+    def off(a: float, b: float) -> bool:
+        return a > 0 and b > 0 and max(a / b, b / a) > tolerance
+
+    out = [
+        f"link {src}->{dst} {a / 1e6:.3g} -> {b / 1e6:.3g} MB/s"
+        for src, (row_a, row_b) in enumerate(
+            zip(before.bandwidth_bytes_per_s, after.bandwidth_bytes_per_s, strict=True)
+        )
+        for dst, (a, b) in enumerate(zip(row_a, row_b, strict=True))
+        if src != dst and off(a, b)
+    ]
+    for old, new in zip(before.devices, after.devices, strict=True):
+        a, b = sum(old.block_seconds), sum(new.block_seconds)
+        if off(a, b):
+            out.append(f"device {old.rank} computing x{b / a:.2f}")
+    return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -11,7 +11,9 @@ the rest to the training process and its communication threads.
 
 Request and outcome are JSON files in a temporary folder: the request holds the observed
 profile, the running plan, the margin and the strategy's ``device_gain`` and ``compression``;
-the outcome is :meth:`ReplanChoice.to_dict` or ``{"error": ...}``.
+the outcome is :meth:`ReplanChoice.to_dict` or ``{"error": ...}``. A search of plans ahead
+also appends each plan to a file as it finds it, which the parent reads while it runs
+(:meth:`SearchProcess.found`).
 ``python -m lightning_deepcee.adapter.search_process FOLDER`` runs one.
 """
 
@@ -28,7 +30,7 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -36,17 +38,24 @@ from typing import Any
 __all__ = ["SearchProcess", "main", "pace", "run"]
 
 _REQUEST, _OUTCOME, _ERRORS = "request.json", "outcome.json", "stderr.txt"
+_FOUND = "found.jsonl"
+"""Entries a contingency search has found so far, one JSON line each (read while it runs)."""
 _ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def run(request: Mapping[str, Any]) -> dict[str, Any]:
+def run(
+    request: Mapping[str, Any], emit: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     """The search itself, as a dict: ``choose_replan`` on the request's profile and plan, or
-    with ``"kind": "contingencies"`` a plan for each of ``contingency_profiles`` (with
-    ``"scope": "devices"``: of ``device_contingency_profiles``) (``{"plans": [{"name": ...,
-    "plan": ...}, ...]}``, a scenario nothing fits left out)."""
+    with ``"kind": "contingencies"`` a plan for each scenario of the request's ``"scopes"``
+    (``"links"``: ``contingency_profiles``, ``"devices"``: ``device_contingency_profiles``, in
+    that order), searched in the plan's neighbourhood, those named in ``"skip"`` left out
+    (``{"plans": [{"name": ..., "plan": ...}, ...]}``, a scenario nothing fits left out);
+    ``emit`` takes each of those entries as soon as it is found."""
     from lightning_deepcee.adapter.contingency import (
         contingency_profiles,
         device_contingency_profiles,
+        neighbourhood_search,
     )
     from lightning_deepcee.adapter.replan import choose_replan
     from lightning_deepcee.planner.plan import Plan
@@ -56,25 +65,32 @@ def run(request: Mapping[str, Any]) -> dict[str, Any]:
 
     profile = ClusterProfile.from_dict(request["profile"])
     current = Plan.from_dict(request["plan"])
+    device_gain = float(request.get("device_gain", DEVICE_GAIN))
+    config = CostModelConfig(compression=tuple(request.get("compression", ())))
     search = functools.partial(
         plan_search,
         num_blocks=current.num_blocks,
         global_batch_size=current.global_batch_size,
-        device_gain=float(request.get("device_gain", DEVICE_GAIN)),
-        config=CostModelConfig(compression=tuple(request.get("compression", ()))),
+        device_gain=device_gain,
+        config=config,
     )
     if request.get("kind") == "contingencies":
         plans = []
-        scenarios = (
-            device_contingency_profiles
-            if request.get("scope") == "devices"
-            else contingency_profiles
-        )
-        for name, scenario in scenarios(profile, current):
-            try:
-                plans.append({"name": name, "plan": search(scenario).to_dict()})
-            except ValueError:  # nothing fits that scenario: no plan ahead for it
-                continue
+        listed = {"links": contingency_profiles, "devices": device_contingency_profiles}
+        skip = set(request.get("skip", ()))
+        for scope in request.get("scopes", ("links", "devices")):
+            for name, scenario in listed[scope](profile, current):
+                if name in skip:
+                    continue
+                try:
+                    found = neighbourhood_search(
+                        scenario, current, device_gain=device_gain, config=config
+                    )
+                except ValueError:  # nothing fits that scenario: no plan ahead for it
+                    continue
+                plans.append({"name": name, "plan": found.to_dict()})
+                if emit is not None:
+                    emit(plans[-1])
         return {"plans": plans}
     clocked = request.get("current_s")
     return choose_replan(
@@ -120,8 +136,13 @@ def main(argv: Sequence[str]) -> int:
     if request.get("cpu") is not None:
         cores, period_s = request["cpu"]
         pace(float(cores), float(period_s), float(request["share"]))
+
+    def emit(entry: dict[str, Any]) -> None:
+        with open(folder / _FOUND, "a") as found:
+            found.write(json.dumps(entry) + "\n")
+
     try:
-        outcome = run(request)
+        outcome = run(request, emit)
     except Exception as exc:  # the parent raises it on every rank
         outcome = {"error": f"{type(exc).__name__}: {exc}"}
     signal.setitimer(signal.ITIMER_PROF, 0, 0)
@@ -171,6 +192,15 @@ class SearchProcess:
     def done(self) -> bool:
         """The search has finished (or failed)."""
         return self._process.poll() is not None
+
+    def found(self) -> list[dict[str, Any]]:
+        """The entries a contingency search has found so far (whole lines only; ``[]`` once
+        its folder is gone: take :meth:`result` then)."""
+        try:
+            text = (Path(self._folder) / _FOUND).read_text()
+        except OSError:
+            return []
+        return [json.loads(line) for line in text.split("\n")[:-1]]
 
     def result(self) -> dict[str, Any]:
         """Its outcome (waits for it); its error raised as ``RuntimeError``."""

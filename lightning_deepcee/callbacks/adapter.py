@@ -229,7 +229,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
                 for d in part or []:
                     seen.setdefault(json.dumps(d, sort_keys=True), d)
             self._decide(trainer, strategy, list(seen.values()), stale=monitor is not self.monitor)
-        self.comeback.observe(landed.rows)
+        self.comeback.observe(landed.rows, landed.compute_s)
         if self.comeback.due() and self.guard.pending is None and self.replanner.search is None:
             self.comeback.come_back(trainer, strategy, self)
         if self._changes != changes:
@@ -259,7 +259,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
             assert strategy.plan is not None
             ranks = [r for stage in strategy.plan.stages for r in stage.ranks]
             self.compute, self._compute_of = ComputeMonitor(ranks, self.config), self._changes
-        return self.compute.observe(landed.step, landed.compute_s)
+        return self.compute.observe(landed.step, landed.compute_s, landed.slowest_s)
 
     def _exchange(
         self, strategy: AdaptableStrategy, step: int, step_s: float, count: int, search_done: bool
@@ -271,10 +271,12 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         pairs = self._pairs + self.comeback.pairs
         records = [*strategy.transfer_records, *self.comeback.records()]
         stats = strategy.last_step_stats
+        trained = stats.compute_s if stats else 0.0
         values = pack(
             pairs, records, rank=strategy.global_rank,
             world=strategy.world_size, min_bytes=self.config.min_bytes, step_s=step_s,
-            count=count, search_done=search_done, compute_s=stats.compute_s if stats else 0.0,
+            count=count, search_done=search_done,
+            compute_s=trained if trained > 0 else self.comeback.compute_sample(),
         )  # fmt: skip
         summed = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
         work = torch.distributed.all_reduce(
@@ -377,7 +379,8 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         self, strategy: AdaptableStrategy, proposals: list[dict[str, Any]]
     ) -> tuple[ClusterProfile, dict[Any, tuple[float, float]]]:
         """The profile as the links behave now (the proposals' figures, then the monitor's) and
-        the devices compute now (slowed or faster ones scaled, keyed ``device <rank>``)."""
+        the devices compute now (the proposals' ratios, then the compute monitor's; slowed or
+        faster ones scaled, none faster than measured at setup; keyed ``device <rank>``)."""
         from lightning_deepcee.adapter.compute import compute_ratios, observed_compute
         from lightning_deepcee.adapter.replan import (
             figures_from_decision,
@@ -396,9 +399,11 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         if replanned is not None and replanned.measured is not None:
             ceiling = ClusterProfile.from_dict(replanned.measured)
         observed, changes = observed_profile(profile, figures, ceiling=ceiling)
-        ratios = {**({} if self.compute is None else self.compute.ratios()),
-                  **compute_ratios(proposals)}  # fmt: skip
-        observed, applied = observed_compute(observed, ratios)
+        ratios = compute_ratios(proposals)
+        if self.compute is not None:  # its state now wins over a proposal's, as for links
+            ratios = {r: x for r, x in ratios.items() if r not in self.compute.ranks}
+            ratios.update(self.compute.ratios())
+        observed, applied = observed_compute(observed, ratios, ceiling=ceiling)
         return observed, {**changes, **{f"device {r}": (1.0, x) for r, x in applied.items()}}
 
     def plan_at(self, strategy: AdaptableStrategy, split: int) -> Plan:
@@ -512,10 +517,10 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
     def moved_away(
         self, strategy: AdaptableStrategy, left: dict[str, Any], replans: list[dict[str, Any]]
     ) -> None:
-        """A re-plan moved away from ``left``: probe the slowed links it left."""
+        """A re-plan moved away from ``left``: probe the slowed links and devices it left."""
         self.comeback.moved_away(
             strategy, left, replans, window=self.config.window,
-            fast_threshold=self.config.fast_threshold,
+            fast_threshold=self.config.fast_threshold, slow_threshold=self.config.slow_threshold,
         )  # fmt: skip
 
     # -------------------------------------------------------------------- layout changes

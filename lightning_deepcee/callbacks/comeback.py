@@ -6,8 +6,11 @@ away from slowed links (``adapter/comeback.py``: :func:`abandoned_links`), it ke
 left (the plan, its profile and split, as a revert would restore them) and opens a probe on one
 pair of each such link (``runtime/probe.py``); the probes' samples ride in the per-step exchange
 (:attr:`pairs`, :meth:`records`), so every rank's :class:`ComeBackWatch` sees the same figures
-and all of them decide the return at the same step. Opening and closing probes are collective:
-every rank calls them at the same step. See docs/adapter.md.
+and all of them decide the return at the same step. A device the move left idle because it
+computed slower is watched by a compute probe on that device (``runtime/compute_probe.py``)
+whose seconds ride in the exchange's compute slot of that rank (:meth:`compute_sample`), judged
+by every rank's :class:`DeviceWatch`. Opening and closing probes are collective: every rank
+calls them at the same step. See docs/adapter.md.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ import lightning.pytorch as pl
 
 from lightning_deepcee.adapter.comeback import (
     ComeBackWatch,
+    DeviceWatch,
+    abandoned_devices,
     abandoned_links,
     choose_return,
     probe_bytes,
     restored_profile,
 )
 from lightning_deepcee.adapter.links import plan_pairs
+from lightning_deepcee.runtime.compute_probe import ComputeProbe
 from lightning_deepcee.runtime.probe import open_link_probe
 
 if TYPE_CHECKING:
@@ -41,6 +47,14 @@ if TYPE_CHECKING:
 __all__ = ["ComeBack", "ComeBackHost"]
 
 OpenProbe = Callable[[tuple[int, int], int, int], "LinkProbe | None"]
+
+
+class TimedProbe(Protocol):
+    """What :class:`ComeBack` uses of a compute probe (``ComputeProbe``)."""
+
+    def take(self) -> float: ...
+
+    def close(self, timeout_s: float = ...) -> bool: ...
 
 
 class ComeBackHost(Protocol):
@@ -62,14 +76,24 @@ class ComeBackHost(Protocol):
 class ComeBack:
     """The plan a re-plan left and the probes of the links it left (see the module docstring)."""
 
-    def __init__(self, open_probe: OpenProbe | None = None) -> None:
+    def __init__(
+        self,
+        open_probe: OpenProbe | None = None,
+        compute_probe: Callable[[], TimedProbe] | None = None,
+    ) -> None:
         self._open = open_probe
         """Opens one pair's probe (collective); ``None``: ``runtime.probe.open_link_probe``."""
+        self._compute_probe = compute_probe
+        """Starts this device's compute probe (local); ``None``: ``ComputeProbe``."""
         self.left: dict[str, Any] | None = None
         """What the move left: ``plan``, ``profile``, ``split``, ``base``, ``replanned`` (the
         shape ``Replanner.revert`` restores)."""
         self.watch: ComeBackWatch | None = None
+        self.devices: DeviceWatch | None = None
+        """The slowed devices the move left idle, watched by their compute probes."""
         self._probes: list[LinkProbe] = []
+        self._timer: TimedProbe | None = None
+        """This device's compute probe, when it is one of :attr:`devices`."""
         self.lost: list[str] = []
         """Probes that ended on an error (a lost peer), described."""
 
@@ -86,20 +110,33 @@ class ComeBack:
         *,
         window: int,
         fast_threshold: float,
+        slow_threshold: float,
     ) -> None:
-        """On every rank, after a move: keep what it left and probe the slowed links it left
-        (none: nothing to come back for)."""
+        """On every rank, after a move: keep what it left and probe the slowed links and the
+        slowed devices it left (none: nothing to come back for)."""
         self.close()
         plan = strategy.current_plan()
         links = abandoned_links(replans, plan_pairs(plan), plan.idle_ranks)
-        if not links:
+        devices = abandoned_devices(replans, plan.idle_ranks)
+        if not links and not devices:
             return
         self.left = left
-        self.watch = ComeBackWatch(links, window=window, fast_threshold=fast_threshold)
+        if links:
+            self.watch = ComeBackWatch(links, window=window, fast_threshold=fast_threshold)
+        if devices:
+            self.devices = DeviceWatch(devices, window=window, slow_threshold=slow_threshold)
         self._open_probes(strategy.global_rank)
 
+    def compute_sample(self) -> float:
+        """This device's newest compute probe seconds, or 0.0 (for the exchange's compute slot:
+        the device trains nothing, so the slot is free)."""
+        return 0.0 if self._timer is None else self._timer.take()
+
     def _open_probes(self, rank: int) -> None:
-        assert self.watch is not None
+        if self.devices is not None and rank in self.devices.devices:
+            self._timer = (self._compute_probe or ComputeProbe)()
+        if self.watch is None:
+            return
         opener = self._open or partial(open_link_probe, resize=probe_bytes)
         for link in self.watch.links:
             probe = opener(link.probe, rank, probe_bytes(0.0))
@@ -110,14 +147,18 @@ class ComeBack:
         """This rank's probe samples since the last call (as received transfers)."""
         return [r for probe in self._probes for r in probe.take()]
 
-    def observe(self, rows: Sequence[Sequence[Any]]) -> None:
-        """One step's exchanged rows (the probed pairs' are used)."""
+    def observe(self, rows: Sequence[Sequence[Any]], compute_s: Sequence[float] = ()) -> None:
+        """One step's exchanged rows (the probed pairs' are used) and compute seconds (the
+        watched devices' are their probes')."""
         if self.watch is not None:
             self.watch.observe(rows)
+        if self.devices is not None:
+            self.devices.observe(compute_s)
 
     def due(self) -> bool:
-        """Some link left has recovered: time to consider the return."""
-        return self.watch is not None and bool(self.watch.recovered())
+        """Some link or device left has recovered: time to consider the return."""
+        links = self.watch is not None and bool(self.watch.recovered())
+        return links or (self.devices is not None and bool(self.devices.recovered()))
 
     def choose(self, current_s: float, current_is: str, left_scale: float = 1.0) -> dict[str, Any]:
         """The return's :class:`ReplanChoice` as a dict, with the restored profile
@@ -125,8 +166,10 @@ class ComeBack:
         from lightning_deepcee.planner import Plan
         from lightning_deepcee.profiler import ClusterProfile
 
-        assert self.left is not None and self.watch is not None
-        restored = restored_profile(ClusterProfile.from_dict(self.left["profile"]), self.watch)
+        assert self.left is not None
+        restored = ClusterProfile.from_dict(self.left["profile"])  # its devices as before
+        if self.watch is not None:
+            restored = restored_profile(restored, self.watch)
         plan = Plan.from_dict(self.left["plan"])
         choice = choose_return(
             plan, restored, current_s, current_is=current_is, left_scale=left_scale
@@ -184,10 +227,13 @@ class ComeBack:
     def close(self) -> None:
         """On every rank at the same step: stop the probes and forget what was left."""
         self.stop()
-        self.left, self.watch = None, None
+        self.left, self.watch, self.devices = None, None, None
 
     def stop(self) -> None:
         """On every rank at the same step: stop the probes (what was left is kept)."""
+        if self._timer is not None:
+            self._timer.close()
+            self._timer = None
         for probe in self._probes:
             ended = probe.close()
             if probe.error is not None or not ended:
@@ -202,23 +248,31 @@ class ComeBack:
 
     # -------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any] | None:
-        if self.watch is None or self.left is None:
+        if self.left is None or (self.watch is None and self.devices is None):
             return None
-        return {"left": self.left, "watch": self.watch.state_dict()}
+        return {
+            "left": self.left,
+            "watch": None if self.watch is None else self.watch.state_dict(),
+            "devices": None if self.devices is None else self.devices.state_dict(),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         """Restore what was left; :meth:`reopen` starts the probes again at the train start."""
         self.close()
         if state:
             self.left = dict(state["left"])
-            self.watch = ComeBackWatch.from_state_dict(state["watch"])
+            watch, devices = state.get("watch"), state.get("devices")
+            self.watch = None if watch is None else ComeBackWatch.from_state_dict(watch)
+            self.devices = None if devices is None else DeviceWatch.from_state_dict(devices)
 
     def reopen(self, strategy: AdaptableStrategy) -> None:
         """On every rank at the train start after a resume: probe again, if anything was left
         and the running layout is the one that left it (else forget it)."""
-        if self.watch is None or self._probes:
+        if (self.watch is None and self.devices is None) or self._probes or self._timer:
             return
-        if set(self.pairs) & set(plan_pairs(strategy.current_plan())):
-            self.left, self.watch = None, None
+        plan = strategy.current_plan()
+        watched = set(() if self.devices is None else self.devices.devices)
+        if set(self.pairs) & set(plan_pairs(plan)) or watched - set(plan.idle_ranks):
+            self.left, self.watch, self.devices = None, None, None
             return
         self._open_probes(strategy.global_rank)

@@ -4,14 +4,16 @@
 and lives on the searcher only (the device that runs re-plan searches, ``replanner.searcher``):
 while nothing else is searched there it searches, in a child process paced like a re-plan
 search, the plans for each wide-area link of the running layout at a tenth, then for each of its
-training devices at a third of its speed (two searches in turn, links first), and keeps them per
-layout (a revert or a move back finds them again). Starting and collecting them is local to the
-searcher, without a collective; the choice among them, when a re-plan is proposed, is made there
-and broadcast with the re-plan's other outcomes.
+training devices at a third of its speed, and keeps them per layout (a revert or a move back
+finds them again). Each plan is usable as soon as it is found: the child writes them one by
+one, and a pause (a re-plan search needs the device) keeps them and leaves the rest for later.
+Starting and collecting them is local to the searcher, without a collective; the choice among
+them, when a re-plan is proposed, is made there and broadcast with the re-plan's other outcomes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -36,36 +38,35 @@ class Contingencies:
         """Starts a search process on a request (``SearchProcess``)."""
         self.plans: dict[str, list[dict[str, Any]]] = {}
         """Per layout (``placement_key`` as JSON): ``{"name", "plan"}`` dicts searched ahead."""
-        self._searched: dict[str, list[str]] = {}
-        """Per layout: the scopes searched (``links``, then ``devices``)."""
+        self._searched: set[str] = set()
+        """The layouts whose every scenario was searched."""
         self._job: SearchProcess | None = None
         self._job_key: str | None = None
-        self._job_scope: str | None = None
 
     def prepare(self, strategy: AdaptableStrategy, pacing: dict[str, Any]) -> None:
-        """Collect a finished search; start one for the running layout if it has none (call on
-        the searcher, between steps, while no re-plan search runs there)."""
+        """Take what the search running has found; start one for the running layout if it has
+        none (call on the searcher, between steps, while no re-plan search runs there)."""
         self._collect()
         profile = strategy.cluster_profile
         if self._job is not None or profile is None:
             return
         plan = strategy.current_plan()
         key = json.dumps(placement_key(plan))
-        done = self._searched.get(key, [])
-        scope = next((s for s in _SCOPES if s not in done), None)
-        if scope is None:
+        if key in self._searched:
             return
-        self._job_key, self._job_scope = key, scope
+        self._job_key = key
         self._job = self._start(
-            {"kind": "contingencies", "scope": scope, "profile": profile.to_dict(),
-             "plan": plan.to_dict(), "device_gain": strategy.device_gain,
-             "compression": list(strategy.compression), **pacing}
+            {"kind": "contingencies", "scopes": list(_SCOPES),
+             "skip": [entry["name"] for entry in self.plans.get(key, [])],
+             "profile": profile.to_dict(), "plan": plan.to_dict(),
+             "device_gain": strategy.device_gain, "compression": list(strategy.compression),
+             **pacing}
         )  # fmt: skip
 
     def choose(
         self, strategy: AdaptableStrategy, observed: ClusterProfile, current_s: float, gain: float
     ) -> dict[str, Any]:
-        """On the searcher: the running layout's plans searched ahead, the fastest on
+        """On the searcher: the running layout's plans searched ahead so far, the fastest on
         ``observed`` as a ``ReplanChoice`` dict, or ``{}`` when none is ready or differs."""
         from lightning_deepcee.planner import Plan
 
@@ -77,22 +78,30 @@ class Contingencies:
         return {} if choice is None else choice.to_dict()
 
     def pause(self) -> None:
-        """Stop a search in progress (a re-plan search needs the device); it starts again later."""
-        if self._job is not None:
-            self._job.cancel()
-        self._job = self._job_key = self._job_scope = None
+        """Stop a search in progress (a re-plan search needs the device), keeping what it found;
+        a later one searches the rest."""
+        job, key = self._job, self._job_key
+        if job is not None and key is not None:
+            self._keep(key, job.found())
+            job.cancel()
+        self._job = self._job_key = None
 
     def _collect(self) -> None:
-        job, key, scope = self._job, self._job_key, self._job_scope
-        if job is None or key is None or scope is None or not job.done():
+        job, key = self._job, self._job_key
+        if job is None or key is None:
             return
-        self._job = self._job_key = self._job_scope = None
-        self._searched.setdefault(key, []).append(scope)
-        try:
-            found = list(job.result()["plans"])
-        except RuntimeError:  # a failed search: no plan ahead for this layout and scope
-            found = []
-        self.plans[key] = self.plans.get(key, []) + found
+        found = job.found()  # what it wrote so far, a plan per scenario as each is searched
+        if job.done():
+            self._job = self._job_key = None
+            self._searched.add(key)
+            with contextlib.suppress(RuntimeError):  # a failed search: what it found stands
+                found = list(job.result()["plans"])
+        self._keep(key, found)
+
+    def _keep(self, key: str, entries: list[dict[str, Any]]) -> None:
+        have = {entry["name"] for entry in self.plans.get(key, [])}
+        fresh = [entry for entry in entries if entry["name"] not in have]
+        self.plans[key] = self.plans.get(key, []) + fresh
 
 
 _SCOPES = ("links", "devices")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_deepcee.adapter.replan import placement_key
+from lightning_deepcee.adapter.replan import placement_key, profile_drift
 from lightning_deepcee.adapter.search_process import SearchProcess
 from lightning_deepcee.callbacks.contingency import Contingencies
 
@@ -61,8 +61,6 @@ class SearchInFlight:
     changes: dict[Any, tuple[float, float]]
     configuration: int
     """The callback's count of configuration changes when it began."""
-    signature: list[Any]
-    """The monitor's link states when it began."""
     clocked: bool
     searcher: int
     job: Any = None
@@ -212,8 +210,8 @@ class Replanner:
             return
         search = SearchInFlight(
             step=trainer.global_step, replans=replans, resplits=resplits, observed=observed,
-            changes=changes, configuration=host.configuration, signature=host.signature(),
-            clocked=clocked is not None, searcher=searcher(strategy.plan, strategy.cluster_profile),
+            changes=changes, configuration=host.configuration, clocked=clocked is not None,
+            searcher=searcher(strategy.plan, strategy.cluster_profile),
         )  # fmt: skip
         ahead = on_one_rank(
             strategy,
@@ -246,8 +244,9 @@ class Replanner:
 
     def finish(self, trainer: pl.Trainer, strategy: AdaptableStrategy) -> None:
         """The searcher's search is done: take its outcome on every rank; move if it pays, the
-        configuration it was searched for is still the one running and the links still say
-        what they said when it began (the monitor's signature)."""
+        configuration it was searched for is still the one running and no figure it planned on
+        moved by more than the monitors' ``slow_threshold`` since (:func:`profile_drift` of the
+        observed profiles: a state change that moves no figure does not make it stale)."""
         search, self.search = self.search, None
         assert search is not None
         job = search.job
@@ -259,10 +258,12 @@ class Replanner:
             why = "the split or layout changed while it searched; the links are judged afresh"
             self.record(trainer, replans, "dropped", why)
             return
-        if search.signature != self.host.signature():
+        now, _ = self.host.observed(strategy, replans)  # the monitors' states win
+        drift = profile_drift(search.observed, now, self.host.config.slow_threshold)
+        if drift:
             why = (
-                "the links changed state while it searched (a recovery, another link); a plan "
-                "for the links as they were is not moved to, and they are judged afresh"
+                f"what it planned for changed while it searched ({', '.join(drift)}); a plan "
+                "for the network as it was is not moved to, and it is judged afresh"
             )
             self.record(trainer, replans, "dropped", why)
             return

@@ -47,11 +47,25 @@ class AtOnce:
     def done(self) -> bool:
         return True
 
+    def found(self) -> list[dict[str, Any]]:
+        return list(self._outcome.get("plans", []))
+
     def result(self) -> dict[str, Any]:
         return self._outcome
 
     def cancel(self) -> None:
         """Nothing runs: there is nothing to stop."""
+
+
+class NoProbe:
+    """A compute probe that times nothing: the synthetic world's ``compute(step)`` gives every
+    rank's exchanged compute seconds, an idle device's probe figures included."""
+
+    def take(self) -> float:
+        return 0.0
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        return True
 
 
 WAN = 1e7  # bytes/s between the two network groups {0, 1} and {2}
@@ -186,6 +200,7 @@ def run_adapter(
     monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
     monkeypatch.setattr(replanning, "SearchProcess", AtOnce)  # searches land on a known step
     monkeypatch.setattr(coming_back, "open_link_probe", lambda pair, rank, size, **_: None)
+    monkeypatch.setattr(coming_back, "ComputeProbe", NoProbe)  # compute(step) holds its figures
     trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=0)
     adapter.on_train_start(trainer, None)
     microbatches = []

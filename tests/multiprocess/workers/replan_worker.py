@@ -44,6 +44,9 @@ class _AtOnce:
     def done(self) -> bool:
         return True
 
+    def found(self) -> list[dict[str, Any]]:
+        return list(self._outcome.get("plans", []))
+
     def result(self) -> dict[str, Any]:
         return self._outcome
 

@@ -255,18 +255,36 @@ def test_a_search_is_dropped_when_the_configuration_changed_meanwhile() -> None:
     assert strategy.plan == _dp_plan((0, 1, 2))
 
 
-def test_a_search_is_dropped_when_the_links_changed_state_meanwhile() -> None:
-    """A search that ends after the link it was for recovered is not moved to."""
+def test_a_search_is_dropped_when_what_it_planned_for_changed_meanwhile() -> None:
+    """A search that ends after the device it was for recovered is not moved to: its observed
+    profile had device 2 at three times its compute, the monitors now say it is as profiled."""
+    from lightning_deepcee.adapter.compute import observed_compute
+
     adapter, strategy, trainer = _profiled_adapter()
     adapter._decide(trainer, strategy, [_replan_decision()])
     search = adapter.replanner.search
-    assert search is not None and search.signature == adapter.signature()
-    search.signature = [["0->1", "degraded"]]  # it began on a degraded link ...
-    assert adapter.signature() == []  # ... which every link's state now calls normal
+    assert search is not None
+    search.observed, _ = observed_compute(search.observed, {2: 3.0})
     adapter.replanner.finish(trainer, strategy)
     dropped = adapter.decisions[-1]
-    assert dropped["kind"] == "replan-dropped" and "changed state" in dropped["reason"]
+    assert dropped["kind"] == "replan-dropped" and "device 2 computing x0.33" in dropped["reason"]
     assert strategy.plan == _dp_plan((0, 1, 2))
+
+
+def test_a_state_change_that_moves_no_figure_keeps_the_search() -> None:
+    """A device that reads faster (it waits for another) moves no figure of the observed
+    profile, whose devices are never faster than measured at setup: the search stands."""
+    from lightning_deepcee.adapter.compute import ComputeMonitor
+
+    adapter, strategy, trainer = _profiled_adapter()
+    adapter._decide(trainer, strategy, [_replan_decision()])
+    compute = ComputeMonitor([0, 1, 2], adapter.config)
+    for step in range(40):  # device 1 reads twice as fast from step 20, the step as calibrated
+        compute.observe(step, [1.0, 1.0 if step < 20 else 0.5, 1.0], 1.0)
+    assert compute.signature() == [[1, "faster"]]
+    adapter.compute = compute
+    adapter.replanner.finish(trainer, strategy)
+    assert adapter.decisions[-1]["kind"] in ("replan-applied", "replan-kept")
 
 
 def test_a_failed_search_process_raises_its_error() -> None:

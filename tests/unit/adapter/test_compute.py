@@ -7,6 +7,7 @@ to a third moves the plan, and noise moves nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -159,3 +160,132 @@ def test_the_exchange_carries_every_ranks_compute_seconds() -> None:
     landed = unpack(7, pairs, 2, summed)
     assert landed.compute_s == (0.25, 0.5)
     assert landed.rows == [[1, 0, 2**20, 0.1]] and landed.slowest_s == 2.0 and landed.anyone
+
+
+def test_a_device_waiting_for_a_slowed_one_is_not_read_as_faster() -> None:
+    """Device 0 slows to a third and the step with it; device 2, which waits for it, computes
+    in half the time (under a quota a waiting device stalls less): no proposal for device 2.
+    The same reading with the step as calibrated is a device that got faster."""
+    monitor = ComputeMonitor([0, 2], CONFIG)
+    calm = [([1.0, 0.0, 2.0], 3.0)] * 30
+    slowed = [([3.0, 0.0, 1.0], 6.0)] * 30
+    proposals = [
+        d for step, (row, step_s) in enumerate(calm + slowed, 1)
+        for d in monitor.observe(step, row, step_s)
+    ]  # fmt: skip
+    assert [d["device"] for d in proposals] == [0]
+    assert monitor.step_slower() and monitor.signature() == [[0, "slowed"]]
+    steady = ComputeMonitor([0, 2], CONFIG)
+    faster = [([1.0, 0.0, 1.0], 3.0)] * 30
+    proposals = [
+        d for step, (row, step_s) in enumerate(calm + faster, 1)
+        for d in steady.observe(step, row, step_s)
+    ]  # fmt: skip
+    assert [d["device"] for d in proposals] == [2] and not steady.step_slower()
+
+
+def test_no_device_is_made_faster_than_measured_at_setup() -> None:
+    profile = world_profile()
+    slowed, _ = observed_compute(profile, {2: 3.0})
+    # On the setup profile a faster reading changes nothing ...
+    same, applied = observed_compute(profile, {2: 0.5}, ceiling=profile)
+    assert applied == {} and same.devices[2] == profile.devices[2]
+    # ... and a device slowed in the running profile recovers at most to its setup figure.
+    back, applied = observed_compute(slowed, {2: 0.2}, ceiling=profile)
+    assert applied == {2: pytest.approx(1 / 3)}
+    setup = sum(profile.devices[2].block_seconds)
+    assert sum(back.devices[2].block_seconds) == pytest.approx(setup)
+    _, applied = observed_compute(slowed, {2: 0.5}, ceiling=profile)
+    assert applied == {2: 0.5}
+
+
+def test_profile_drift_names_the_figures_that_moved_beyond_the_tolerance() -> None:
+    from lightning_deepcee.adapter.replan import profile_drift
+
+    profile = world_profile()
+    assert profile_drift(profile, profile, 1.5) == []
+    slowed, _ = observed_compute(profile, {2: 3.0})
+    assert profile_drift(profile, slowed, 1.5) == ["device 2 computing x3.00"]
+    assert profile_drift(profile, observed_compute(profile, {2: 1.4})[0], 1.5) == []
+    matrix = [list(row) for row in profile.bandwidth_bytes_per_s]
+    matrix[0][1] /= 10
+    cut = dataclasses.replace(profile, bandwidth_bytes_per_s=tuple(map(tuple, matrix)))
+    (line,) = profile_drift(cut, profile, 1.5)
+    assert line.startswith("link 0->1 ")
+    with pytest.raises(ValueError, match="tolerance"):
+        profile_drift(profile, profile, 1.0)
+
+
+def test_a_device_left_idle_is_watched_by_its_probe_and_recovers() -> None:
+    from lightning_deepcee.adapter.comeback import DeviceWatch, abandoned_devices
+
+    replans = [{"device": 2, "ratio": 3.0}, {"device": 1, "ratio": 0.5},
+               {"device": 0, "ratio": 3.0}, {"link": [0, 2], "new_bandwidth": 1.0}]  # fmt: skip
+    assert abandoned_devices(replans, idle=(1, 2)) == [2]  # 0 still trains; 1 got faster
+    watch = DeviceWatch([2], window=5, slow_threshold=1.5)
+    for seconds in [0.9] * 5 + [0.0] * 3:  # the calibration: the device as it was left
+        watch.observe([0.4, 0.4, seconds])
+    assert watch.slowed_s(2) == pytest.approx(0.9) and watch.speedup(2) is None
+    for seconds in [0.8, 0.7, 0.9, 0.85, 0.2]:  # a minority of fast samples: not back
+        watch.observe([0.0, 0.0, seconds])
+    assert watch.recovered() == []
+    for _ in range(2):
+        watch.observe([0.0, 0.0, 0.3])
+    assert watch.recovered() == [2] and watch.speedup(2) == pytest.approx(3.0)
+    restored = DeviceWatch.from_state_dict(json.loads(json.dumps(watch.state_dict())))
+    assert restored.recovered() == [2] and restored.samples == watch.samples
+
+
+def test_the_compute_probe_times_its_work_in_a_thread() -> None:
+    from lightning_deepcee.runtime.compute_probe import ComputeProbe
+
+    probe = ComputeProbe(first_s=0.01, interval_s=0.0, size=32)
+    try:
+        seconds = 0.0
+        for _ in range(2000):
+            seconds = probe.take()
+            if seconds > 0:
+                break
+            import time
+
+            time.sleep(0.005)
+        assert seconds > 0 and probe.repeats is not None and probe.repeats >= 1
+    finally:
+        assert probe.close()
+    with pytest.raises(ValueError, match="first_s"):
+        ComputeProbe(first_s=0.0)
+
+
+def _slow_then_back(step: int) -> float:
+    return 3.0 if 60 <= step < 160 else 1.0
+
+
+def test_a_device_left_idle_brings_the_plan_back_when_it_recovers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Device 2 computes three times as long from step 60 to 160: the plan moves away from it,
+    its probe (its compute slot while it is idle) shows it back, and the plan left returns.
+    The clock decides both moves: here the plan with device 2 runs 0.5 s a step at its full
+    speed (1.5 s slowed), any plan without it 0.8 s."""
+
+    def world(step: int, strategy: Any, fraction: float) -> float:
+        uses = any(2 in stage.ranks for stage in strategy.plan.stages)
+        return 0.5 * _slow_then_back(step) if uses else 0.8
+
+    run = run_adapter(
+        monkeypatch, 260, world=world, compute=lambda step: [0.5, 0.5, 0.5 * _slow_then_back(step)]
+    )
+    (moved,) = run.kinds("replan-applied")
+    assert 60 < moved["step"] < 160
+    (back,) = run.kinds("return-applied")
+    assert back["step"] > 160 and "what it left is back" in back["reason"]
+    assert run.strategy.plan == world_plan()
+    assert [d["action"] for d in run.kinds("confirmed")] == ["replan", "return"]
+
+
+def test_a_device_that_stays_slow_is_not_returned_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    run = run_adapter(
+        monkeypatch, 260, world=_slowed_world, compute=lambda step: [0.5, 0.5, 0.5 * _slow(step)]
+    )
+    assert len(run.kinds("replan-applied")) == 1 and run.kinds("return-applied") == []
+    assert run.adapter.comeback.devices is not None  # still watched

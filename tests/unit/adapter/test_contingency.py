@@ -13,6 +13,7 @@ from lightning_deepcee.adapter.contingency import (
     CONTINGENCY_FACTOR,
     choose_contingency,
     contingency_profiles,
+    neighbourhood_search,
 )
 from lightning_deepcee.adapter.replan import placement_key
 from lightning_deepcee.callbacks.contingency import Contingencies
@@ -55,7 +56,7 @@ def test_a_layout_inside_one_group_has_no_contingency() -> None:
 
 def _ahead() -> list[tuple[str, Plan]]:
     return [
-        (name, plan_search(scenario, num_blocks=6, global_batch_size=32))
+        (name, neighbourhood_search(scenario, world_plan()))
         for name, scenario in contingency_profiles(world_profile(), world_plan())
     ]
 
@@ -97,6 +98,7 @@ def test_the_plan_searched_ahead_must_beat_the_running_one_by_the_margin() -> No
 def test_the_search_process_plans_every_contingency() -> None:
     request = {
         "kind": "contingencies",
+        "scopes": ["links"],
         "profile": world_profile().to_dict(),
         "plan": world_plan().to_dict(),
         "device_gain": 0.05,
@@ -167,32 +169,104 @@ def test_each_training_device_is_planned_at_a_third_of_its_speed() -> None:
         assert scenario == observed_compute(profile, {rank: COMPUTE_FACTOR})[0]
     with pytest.raises(ValueError, match="factor must be above 1"):
         device_contingency_profiles(profile, world_plan(), factor=0.5)
-    request = {"kind": "contingencies", "scope": "devices", "profile": profile.to_dict(),
+    request = {"kind": "contingencies", "scopes": ["devices"], "profile": profile.to_dict(),
                "plan": world_plan().to_dict(), "device_gain": 0.05}  # fmt: skip
     outcome = search_process.run(request)
     assert [entry["name"] for entry in outcome["plans"]] == ["device 0", "device 1", "device 2"]
 
 
+class _Job:
+    """A contingency search as the searcher sees it, run at once; ``ready`` entries of it are
+    found while it still runs, all once ``finish()`` is called."""
+
+    def __init__(self, request: dict, log: list[dict], ready: int | None = None) -> None:
+        log.append(dict(request))
+        self.outcome = search_process.run(request)
+        self.ready = len(self.outcome["plans"]) if ready is None else ready
+        self.cancelled = False
+
+    def finish(self) -> None:
+        self.ready = len(self.outcome["plans"])
+
+    def found(self) -> list[dict]:
+        return [] if self.cancelled else self.outcome["plans"][: self.ready]
+
+    def done(self) -> bool:
+        return self.ready == len(self.outcome["plans"])
+
+    def result(self) -> dict:
+        return self.outcome
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
 def test_the_searcher_searches_links_then_devices_and_keeps_both() -> None:
-    started: list[dict] = []
-
-    class Done:
-        def __init__(self, request: dict) -> None:
-            started.append(dict(request))
-            self.outcome = search_process.run(request)
-
-        def done(self) -> bool:
-            return True
-
-        def result(self) -> dict:
-            return self.outcome
-
     from tests.helpers.adapter_world import WorldStrategy
 
+    started: list[dict] = []
     strategy = WorldStrategy(world_profile())
-    ahead = Contingencies(Done)
+    ahead = Contingencies(lambda request: _Job(request, started))  # type: ignore[arg-type,return-value]
     for _ in range(4):
         ahead.prepare(strategy, {})
-    assert [r["scope"] for r in started] == ["links", "devices"]  # then nothing more to search
+    assert [r["scopes"] for r in started] == [["links", "devices"]]  # then nothing more
     names = [p["name"] for plans in ahead.plans.values() for p in plans]
     assert names == ["net0<->net1", "device 0", "device 1", "device 2"]
+
+
+def test_plans_found_so_far_are_used_and_kept_through_a_pause() -> None:
+    """The link's plan, found first, is chosen while the devices' are still searched; a pause
+    keeps it, and the search started next skips it."""
+    from tests.helpers.adapter_world import WorldStrategy
+
+    started: list[dict] = []
+    jobs: list[_Job] = []
+
+    def start(request: dict) -> _Job:
+        jobs.append(_Job(request, started, ready=1))
+        return jobs[-1]
+
+    strategy = WorldStrategy(world_profile())
+    ahead = Contingencies(start)  # type: ignore[arg-type]
+    ahead.prepare(strategy, {})
+    current = strategy.current_plan()
+    current_s = predict_plan(profile_at(0.05), current).step_time_s
+    choice = ahead.choose(strategy, profile_at(0.05), current_s, 0.1)  # type: ignore[arg-type]
+    assert choice["apply"] and "net0<->net1" in choice["reason"]
+    ahead.pause()
+    assert jobs[0].cancelled
+    ahead.prepare(strategy, {})
+    assert started[1]["skip"] == ["net0<->net1"]
+    jobs[1].finish()
+    ahead.prepare(strategy, {})
+    names = [p["name"] for plans in ahead.plans.values() for p in plans]
+    assert names == ["net0<->net1", "device 0", "device 1", "device 2"]
+    assert len(started) == 2
+
+
+def test_the_search_process_writes_each_plan_as_it_finds_it() -> None:
+    request = {"kind": "contingencies", "profile": world_profile().to_dict(),
+               "plan": world_plan().to_dict(), "device_gain": 0.05}  # fmt: skip
+    job = search_process.SearchProcess(request)
+    while not job.done():
+        pass
+    found = job.found()
+    assert [e["name"] for e in found] == ["net0<->net1", "device 0", "device 1", "device 2"]
+    assert job.result()["plans"] == found
+    assert job.found() == []  # the folder is gone with the result
+
+
+def test_the_neighbourhood_search_stays_on_the_plans_devices_and_counts() -> None:
+    from lightning_deepcee.adapter.compute import observed_compute
+
+    profile, plan = world_profile(), world_plan()
+    slowed, _ = observed_compute(profile, {2: 3.0})
+    found = neighbourhood_search(slowed, plan)
+    used = {r for stage in found.stages for r in stage.ranks}
+    assert used <= {r for stage in plan.stages for r in stage.ranks}
+    m = plan.num_microbatches
+    assert found.num_microbatches in {max(1, m // 2), m, 2 * m}
+    assert found.schedule in ("1f1b", "zb-h1", plan.schedule)
+    full = plan_search(slowed, num_blocks=6, global_batch_size=32)
+    # Near the full search's own prediction on this world (it has no device to add).
+    assert predict_plan(slowed, found).step_time_s <= 1.1 * predict_plan(slowed, full).step_time_s
