@@ -523,6 +523,10 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
             fast_threshold=self.config.fast_threshold, slow_threshold=self.config.slow_threshold,
         )  # fmt: skip
 
+    def watched_devices(self) -> list[int]:
+        """The idle devices the come-back's compute probes time (no search runs there)."""
+        return [] if self.comeback.devices is None else list(self.comeback.devices.devices)
+
     # -------------------------------------------------------------------- layout changes
     def new_monitor(self, strategy: AdaptableStrategy) -> None:
         """Watch the running plan's links afresh (start, re-plan, revert, another layout)."""

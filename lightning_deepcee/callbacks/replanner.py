@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, Protocol
 
 import lightning.pytorch as pl
@@ -148,6 +148,8 @@ class ReplanHost(Protocol):
 
     def record(self, trainer: pl.Trainer, entry: dict[str, Any]) -> None: ...
 
+    def watched_devices(self) -> list[int]: ...
+
 
 class Replanner:
     """The slow response of one callback (see the module docstring)."""
@@ -169,10 +171,17 @@ class Replanner:
 
     def search_ahead(self, strategy: AdaptableStrategy) -> None:
         """Between steps, on the searcher while no re-plan search runs there: search the running
-        layout's plans ahead if it has none (local, no collective)."""
-        rank = searcher(strategy.plan, strategy.cluster_profile)
-        if self.search is None and strategy.global_rank == rank:
+        layout's plans ahead if it has none (local, no collective). A rank that is no longer the
+        searcher (a move changed which devices are idle) stops the one it ran."""
+        if strategy.global_rank != self.searcher(strategy):
+            self.ahead.pause()
+        elif self.search is None:
             self.ahead.prepare(strategy, _pacing(self.host.search_cpu_share))
+
+    def searcher(self, strategy: AdaptableStrategy) -> int:
+        """The rank that searches now (:func:`searcher`), never a device the come-back watches:
+        its probe times the device, and a search beside it would read as the device's load."""
+        return searcher(strategy.plan, strategy.cluster_profile, self.host.watched_devices())
 
     # ------------------------------------------------------------------------ the search
     def start(
@@ -211,7 +220,7 @@ class Replanner:
         search = SearchInFlight(
             step=trainer.global_step, replans=replans, resplits=resplits, observed=observed,
             changes=changes, configuration=host.configuration, clocked=clocked is not None,
-            searcher=searcher(strategy.plan, strategy.cluster_profile),
+            searcher=self.searcher(strategy),
         )  # fmt: skip
         ahead = on_one_rank(
             strategy,
@@ -563,12 +572,12 @@ def on_one_rank(
     return outcome
 
 
-def searcher(plan: Any, profile: Any) -> int:
+def searcher(plan: Any, profile: Any, exclude: Collection[int] = ()) -> int:
     """The rank that runs a re-plan search: the fastest device the plan leaves idle, whose CPU
     training does not use (a search takes seconds of CPU, and a device under a CPU quota pays
-    for every one of them in its own steps, however low the thread's priority); rank 0 when
-    every device trains."""
-    idle = list(getattr(plan, "idle_ranks", ()) or ())
+    for every one of them in its own steps, however low the thread's priority), ``exclude``
+    left out; rank 0 when every device trains."""
+    idle = [r for r in getattr(plan, "idle_ranks", ()) or () if r not in exclude]
     if not idle:
         return 0
     devices = {} if profile is None else {d.rank: d for d in profile.devices}

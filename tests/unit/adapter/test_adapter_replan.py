@@ -449,6 +449,9 @@ def test_the_search_runs_on_the_fastest_idle_device() -> None:
     idle = dataclasses.replace(busy, stages=(stage,), idle_ranks=(1, 2))
     assert replanning.searcher(idle, faster) == 2  # idle, and faster than idle rank 1
     assert replanning.searcher(idle, None) == 1  # no profile: the first idle rank
+    # A device the come-back's compute probe times is never the searcher.
+    assert replanning.searcher(idle, faster, exclude=[2]) == 1
+    assert replanning.searcher(idle, faster, exclude=[1, 2]) == 0
 
 
 def test_the_outcome_comes_from_the_searcher_and_its_error_is_raised_everywhere() -> None:

@@ -281,6 +281,16 @@ def test_a_device_left_idle_brings_the_plan_back_when_it_recovers(
     assert back["step"] > 160 and "what it left is back" in back["reason"]
     assert run.strategy.plan == world_plan()
     assert [d["action"] for d in run.kinds("confirmed")] == ["replan", "return"]
+    assert run.adapter.comeback.devices is None  # the probe stopped with the return
+
+
+def test_the_searcher_is_never_the_device_the_probe_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device 2, slowed and left idle, is the only idle device: the searcher is rank 0, not 2."""
+    run = run_adapter(
+        monkeypatch, 100, world=_slowed_world, compute=lambda step: [0.5, 0.5, 0.5 * _slow(step)]
+    )
+    assert run.strategy.plan.idle_ranks == (2,) and run.adapter.watched_devices() == [2]
+    assert run.adapter.replanner.searcher(run.strategy) == 0
 
 
 def test_a_device_that_stays_slow_is_not_returned_to(monkeypatch: pytest.MonkeyPatch) -> None:
