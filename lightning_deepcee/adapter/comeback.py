@@ -14,12 +14,14 @@ per-step exchange. Here:
 - :class:`ComeBackWatch`: a window of probe samples per link; a link has recovered when the
   window is full and its median is back above ``expected / fast_threshold`` (the monitor's own
   rule for a degraded link's return);
-- :func:`abandoned_devices` and :class:`DeviceWatch`: the same for a device a move left idle
-  because it computed slower (another tenant): nothing trains there to show its recovery, so
-  the device times a fixed piece of compute now and then (``runtime/compute_probe.py``) and the
-  seconds travel in the exchange's compute slot of that rank. The first ``window`` samples are
-  the device as it was left (slowed); it has recovered when a window's median is below that
-  figure by ``slow_threshold`` (the compute monitor's own threshold for a change);
+- :func:`slowed_devices` and :class:`DeviceWatch`: the same for a device a move left because it
+  computed slower (another tenant). Idle, nothing trains there to show its recovery; kept with
+  less work, its compute time hardly shows it either (under a CPU quota a light load fits the
+  slowed budget). So the device times a fixed piece of compute now and then
+  (``runtime/compute_probe.py``) and the seconds travel in the exchange's probe slot of that
+  rank. The first ``window`` samples are the device as it was left (slowed); it has recovered
+  when a window's median is below that figure by ``slow_threshold`` (the compute monitor's own
+  threshold for a change);
 - :func:`choose_return`: the plan left, predicted on its own profile with each probed link at
   what the probe measures, against the running plan's step, each by its own clock where both
   have a reference (the model's error differs from plan to plan); the move back is made when it
@@ -45,11 +47,11 @@ __all__ = [
     "Abandoned",
     "ComeBackWatch",
     "DeviceWatch",
-    "abandoned_devices",
     "abandoned_links",
     "choose_return",
     "probe_bytes",
     "restored_profile",
+    "slowed_devices",
 ]
 
 PROBE_TARGET_S = 0.1
@@ -221,16 +223,10 @@ class ComeBackWatch:
         return watch
 
 
-def abandoned_devices(replans: Iterable[Mapping[str, Any]], idle: Collection[int]) -> list[int]:
-    """The devices of ``replans``' compute proposals that computed slower (``ratio`` above one)
-    and that the new plan leaves idle (``idle``): the ones to watch for their recovery."""
-    return sorted(
-        {
-            int(d["device"])
-            for d in replans
-            if "device" in d and float(d["ratio"]) > 1 and int(d["device"]) in idle
-        }
-    )
+def slowed_devices(replans: Iterable[Mapping[str, Any]]) -> list[int]:
+    """The devices of ``replans``' compute proposals that computed slower (``ratio`` above one):
+    the ones a move left to watch for their recovery, idle or with less work."""
+    return sorted({int(d["device"]) for d in replans if "device" in d and float(d["ratio"]) > 1})
 
 
 class DeviceWatch:
@@ -248,10 +244,10 @@ class DeviceWatch:
         self.calibration: dict[int, list[float]] = {d: [] for d in self.devices}
         self.samples: dict[int, list[float]] = {d: [] for d in self.devices}
 
-    def observe(self, compute_s: Sequence[float]) -> None:
-        """One step's exchanged compute seconds (indexed by rank; 0 where no probe ended)."""
+    def observe(self, probe_s: Sequence[float]) -> None:
+        """One step's exchanged probe seconds (indexed by rank; 0 where no probe ended)."""
         for device in self.devices:
-            seconds = float(compute_s[device]) if device < len(compute_s) else 0.0
+            seconds = float(probe_s[device]) if device < len(probe_s) else 0.0
             if not seconds > 0:
                 continue
             calibration = self.calibration[device]

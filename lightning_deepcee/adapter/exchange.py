@@ -3,8 +3,8 @@
 Each step every rank adds its figures into one vector that a single all-reduce sums (the
 Lightning shim, ``callback.py``, posts it and reads it a step later): per pair of the running
 plan the bytes and seconds on the wire this rank received, every rank's step time, number of
-proposals and compute seconds in its own slot, and a flag the searcher raises when its re-plan
-search has finished.
+proposals, compute seconds and compute probe seconds (the come-back's, on a device it watches)
+in its own slot, and a flag the searcher raises when its re-plan search has finished.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ class Exchanged(NamedTuple):
     """The background re-plan search has finished (on the rank that runs it)."""
     compute_s: tuple[float, ...] = ()
     """Every rank's compute seconds of the step (0 where a rank did not train)."""
+    probe_s: tuple[float, ...] = ()
+    """Every rank's newest compute probe seconds (0 where none ended since the last step)."""
 
 
 def pack(
@@ -49,13 +51,14 @@ def pack(
     count: int,
     search_done: bool,
     compute_s: float = 0.0,
+    probe_s: float = 0.0,
 ) -> list[float]:
     """This rank's part of the sum. Only received transfers of at least ``min_bytes`` with a
     wire time count: a receive's blocked time includes waiting for the sender's compute, which a
     split shortens, while the payload's time on the wire is what the link delivers."""
     index = {pair: i for i, pair in enumerate(pairs)}
     num_pairs = len(index)
-    values = [0.0] * (2 * num_pairs + 3 * world + 1)
+    values = [0.0] * (2 * num_pairs + 4 * world + 1)
     for r in records:
         i = index.get((r.peer, rank))
         if i is not None and r.direction == "recv" and r.wire_s and r.num_bytes >= min_bytes:
@@ -64,6 +67,7 @@ def pack(
     values[2 * num_pairs + rank] = step_s
     values[2 * num_pairs + world + rank] = float(count)
     values[2 * num_pairs + 2 * world + rank] = float(compute_s)
+    values[2 * num_pairs + 3 * world + rank] = float(probe_s)
     values[-1] = float(search_done)
     return values
 
@@ -75,4 +79,7 @@ def unpack(step: int, pairs: Sequence[tuple[int, int]], world: int, out: list[fl
     step_times = out[2 * n : 2 * n + world]
     counts = out[2 * n + world : 2 * n + 2 * world]
     compute = out[2 * n + 2 * world : 2 * n + 3 * world]
-    return Exchanged(step, rows, max(step_times), sum(counts) > 0, out[-1] > 0, tuple(compute))
+    probe = out[2 * n + 3 * world : 2 * n + 4 * world]
+    return Exchanged(
+        step, rows, max(step_times), sum(counts) > 0, out[-1] > 0, tuple(compute), tuple(probe)
+    )

@@ -229,7 +229,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
                 for d in part or []:
                     seen.setdefault(json.dumps(d, sort_keys=True), d)
             self._decide(trainer, strategy, list(seen.values()), stale=monitor is not self.monitor)
-        self.comeback.observe(landed.rows, landed.compute_s)
+        self.comeback.observe(landed.rows, landed.probe_s)
         if self.comeback.due() and self.guard.pending is None and self.replanner.search is None:
             self.comeback.come_back(trainer, strategy, self)
         if self._changes != changes:
@@ -271,12 +271,11 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         pairs = self._pairs + self.comeback.pairs
         records = [*strategy.transfer_records, *self.comeback.records()]
         stats = strategy.last_step_stats
-        trained = stats.compute_s if stats else 0.0
         values = pack(
             pairs, records, rank=strategy.global_rank,
             world=strategy.world_size, min_bytes=self.config.min_bytes, step_s=step_s,
-            count=count, search_done=search_done,
-            compute_s=trained if trained > 0 else self.comeback.compute_sample(),
+            count=count, search_done=search_done, compute_s=stats.compute_s if stats else 0.0,
+            probe_s=self.comeback.compute_sample(),
         )  # fmt: skip
         summed = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
         work = torch.distributed.all_reduce(

@@ -6,17 +6,18 @@ away from slowed links (``adapter/comeback.py``: :func:`abandoned_links`), it ke
 left (the plan, its profile and split, as a revert would restore them) and opens a probe on one
 pair of each such link (``runtime/probe.py``); the probes' samples ride in the per-step exchange
 (:attr:`pairs`, :meth:`records`), so every rank's :class:`ComeBackWatch` sees the same figures
-and all of them decide the return at the same step. A device the move left idle because it
-computed slower is watched by a compute probe on that device (``runtime/compute_probe.py``)
-whose seconds ride in the exchange's compute slot of that rank (:meth:`compute_sample`), judged
-by every rank's :class:`DeviceWatch`. Opening and closing probes are collective: every rank
+and all of them decide the return at the same step. A device the move left because it
+computed slower (idle, or with less work) is watched by a compute probe on that device
+(``runtime/compute_probe.py``; every second when idle, every three seconds and shorter when it
+trains) whose seconds ride in the exchange's probe slot of that rank (:meth:`compute_sample`),
+judged by every rank's :class:`DeviceWatch`. Opening and closing probes are collective: every rank
 calls them at the same step. See docs/adapter.md.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -25,11 +26,11 @@ import lightning.pytorch as pl
 from lightning_deepcee.adapter.comeback import (
     ComeBackWatch,
     DeviceWatch,
-    abandoned_devices,
     abandoned_links,
     choose_return,
     probe_bytes,
     restored_profile,
+    slowed_devices,
 )
 from lightning_deepcee.adapter.links import plan_pairs
 from lightning_deepcee.runtime.compute_probe import ComputeProbe
@@ -73,24 +74,32 @@ class ComeBackHost(Protocol):
     def record(self, trainer: pl.Trainer, entry: dict[str, Any]) -> None: ...
 
 
+def start_compute_probe(trains: bool) -> ComputeProbe:
+    """This device's compute probe: every second, about a quarter of a second of work, on an
+    idle device; every three seconds and a tenth of a second where it trains (it takes that
+    CPU from the training, a few percent of a slowed device's)."""
+    return ComputeProbe(first_s=0.1, interval_s=3.0) if trains else ComputeProbe()
+
+
 class ComeBack:
     """The plan a re-plan left and the probes of the links it left (see the module docstring)."""
 
     def __init__(
         self,
         open_probe: OpenProbe | None = None,
-        compute_probe: Callable[[], TimedProbe] | None = None,
+        compute_probe: Callable[[bool], TimedProbe] | None = None,
     ) -> None:
         self._open = open_probe
         """Opens one pair's probe (collective); ``None``: ``runtime.probe.open_link_probe``."""
         self._compute_probe = compute_probe
-        """Starts this device's compute probe (local); ``None``: ``ComputeProbe``."""
+        """Starts this device's compute probe (local), given whether the device trains;
+        ``None``: :func:`start_compute_probe`."""
         self.left: dict[str, Any] | None = None
         """What the move left: ``plan``, ``profile``, ``split``, ``base``, ``replanned`` (the
         shape ``Replanner.revert`` restores)."""
         self.watch: ComeBackWatch | None = None
         self.devices: DeviceWatch | None = None
-        """The slowed devices the move left idle, watched by their compute probes."""
+        """The slowed devices the move left, watched by their compute probes."""
         self._probes: list[LinkProbe] = []
         self._timer: TimedProbe | None = None
         """This device's compute probe, when it is one of :attr:`devices`."""
@@ -117,7 +126,7 @@ class ComeBack:
         self.close()
         plan = strategy.current_plan()
         links = abandoned_links(replans, plan_pairs(plan), plan.idle_ranks)
-        devices = abandoned_devices(replans, plan.idle_ranks)
+        devices = slowed_devices(replans)
         if not links and not devices:
             return
         self.left = left
@@ -125,16 +134,15 @@ class ComeBack:
             self.watch = ComeBackWatch(links, window=window, fast_threshold=fast_threshold)
         if devices:
             self.devices = DeviceWatch(devices, window=window, slow_threshold=slow_threshold)
-        self._open_probes(strategy.global_rank)
+        self._open_probes(strategy.global_rank, plan.idle_ranks)
 
     def compute_sample(self) -> float:
-        """This device's newest compute probe seconds, or 0.0 (for the exchange's compute slot:
-        the device trains nothing, so the slot is free)."""
+        """This device's newest compute probe seconds, or 0.0 (the exchange's probe slot)."""
         return 0.0 if self._timer is None else self._timer.take()
 
-    def _open_probes(self, rank: int) -> None:
+    def _open_probes(self, rank: int, idle: Collection[int]) -> None:
         if self.devices is not None and rank in self.devices.devices:
-            self._timer = (self._compute_probe or ComputeProbe)()
+            self._timer = (self._compute_probe or start_compute_probe)(rank not in idle)
         if self.watch is None:
             return
         opener = self._open or partial(open_link_probe, resize=probe_bytes)
@@ -147,13 +155,13 @@ class ComeBack:
         """This rank's probe samples since the last call (as received transfers)."""
         return [r for probe in self._probes for r in probe.take()]
 
-    def observe(self, rows: Sequence[Sequence[Any]], compute_s: Sequence[float] = ()) -> None:
-        """One step's exchanged rows (the probed pairs' are used) and compute seconds (the
-        watched devices' are their probes')."""
+    def observe(self, rows: Sequence[Sequence[Any]], probe_s: Sequence[float] = ()) -> None:
+        """One step's exchanged rows (the probed pairs' are used) and compute probe seconds (the
+        watched devices')."""
         if self.watch is not None:
             self.watch.observe(rows)
         if self.devices is not None:
-            self.devices.observe(compute_s)
+            self.devices.observe(probe_s)
 
     def due(self) -> bool:
         """Some link or device left has recovered: time to consider the return."""
@@ -270,9 +278,13 @@ class ComeBack:
         and the running layout is the one that left it (else forget it)."""
         if (self.watch is None and self.devices is None) or self._probes or self._timer:
             return
+        from lightning_deepcee.adapter.replan import placement_key
+        from lightning_deepcee.planner import Plan
+
         plan = strategy.current_plan()
-        watched = set(() if self.devices is None else self.devices.devices)
-        if set(self.pairs) & set(plan_pairs(plan)) or watched - set(plan.idle_ranks):
+        assert self.left is not None
+        back = placement_key(Plan.from_dict(self.left["plan"])) == placement_key(plan)
+        if back or set(self.pairs) & set(plan_pairs(plan)):
             self.left, self.watch, self.devices = None, None, None
             return
-        self._open_probes(strategy.global_rank)
+        self._open_probes(strategy.global_rank, plan.idle_ranks)

@@ -58,8 +58,11 @@ class AtOnce:
 
 
 class NoProbe:
-    """A compute probe that times nothing: the synthetic world's ``compute(step)`` gives every
-    rank's exchanged compute seconds, an idle device's probe figures included."""
+    """A compute probe that times nothing: the synthetic world's ``probe(step)`` gives every
+    rank's exchanged probe seconds."""
+
+    def __init__(self, trains: bool) -> None:
+        self.trains = trains
 
     def take(self) -> float:
         return 0.0
@@ -185,13 +188,15 @@ def run_adapter(
     seed: int = 0,
     profile: ClusterProfile | None = PROFILE,
     compute: Callable[[int], list[float]] = lambda step: [],
+    probe: Callable[[int], list[float]] = lambda step: [],
     **adapter_args: Any,
 ) -> Run:
     """Train ``steps`` steps; at each the WAN runs at ``wan(step)`` of the profile (``wan_back``:
     the gradients' direction, if different), both senders of a direction share it (each at
     half), the receivers stamp their arrivals ``wire`` times as fast as that, and the step takes
     ``world(..., the slower direction)`` times +-``noise``; ``compute(step)`` is every rank's
-    compute seconds of the step (none by default). The probes of links a re-plan left
+    compute seconds of the step (none by default), ``probe(step)`` every rank's compute probe
+    seconds. The probes of links a re-plan left
     (``adapter.comeback.pairs``) report one message per step at the link's rate."""
     rng = np.random.default_rng(seed)
     strategy = WorldStrategy(profile)
@@ -200,7 +205,7 @@ def run_adapter(
     monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
     monkeypatch.setattr(replanning, "SearchProcess", AtOnce)  # searches land on a known step
     monkeypatch.setattr(coming_back, "open_link_probe", lambda pair, rank, size, **_: None)
-    monkeypatch.setattr(coming_back, "ComputeProbe", NoProbe)  # compute(step) holds its figures
+    monkeypatch.setattr(coming_back, "start_compute_probe", NoProbe)  # probe(step) has figures
     trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=0)
     adapter.on_train_start(trainer, None)
     microbatches = []
@@ -230,8 +235,9 @@ def run_adapter(
             r: Any = rows,
             t: float = seconds,
             c: tuple[float, ...] = tuple(compute(step)),
+            p: tuple[float, ...] = tuple(probe(step)),
         ) -> Callable[[], Exchanged]:
-            return lambda: Exchanged(step, r, t, count > 0, done, c)  # lands at the next step
+            return lambda: Exchanged(step, r, t, count > 0, done, c, p)  # lands at the next step
 
         monkeypatch.setattr(adapter, "_exchange", exchange)
         adapter.on_train_batch_end(trainer, None, None, None, 0)

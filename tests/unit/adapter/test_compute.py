@@ -153,12 +153,12 @@ def test_the_exchange_carries_every_ranks_compute_seconds() -> None:
     parts = [
         pack(pairs, [TransferRecord(1, 2**20, 0.5, "recv", 0.1)] if rank == 0 else [],
              rank=rank, world=2, min_bytes=1, step_s=1.0 + rank, count=rank, search_done=False,
-             compute_s=0.25 * (rank + 1))
+             compute_s=0.25 * (rank + 1), probe_s=0.0 if rank == 0 else 0.125)
         for rank in range(2)
     ]  # fmt: skip
     summed = [a + b for a, b in zip(*parts, strict=True)]
     landed = unpack(7, pairs, 2, summed)
-    assert landed.compute_s == (0.25, 0.5)
+    assert landed.compute_s == (0.25, 0.5) and landed.probe_s == (0.0, 0.125)
     assert landed.rows == [[1, 0, 2**20, 0.1]] and landed.slowest_s == 2.0 and landed.anyone
 
 
@@ -216,12 +216,12 @@ def test_profile_drift_names_the_figures_that_moved_beyond_the_tolerance() -> No
         profile_drift(profile, profile, 1.0)
 
 
-def test_a_device_left_idle_is_watched_by_its_probe_and_recovers() -> None:
-    from lightning_deepcee.adapter.comeback import DeviceWatch, abandoned_devices
+def test_a_slowed_device_is_watched_by_its_probe_and_recovers() -> None:
+    from lightning_deepcee.adapter.comeback import DeviceWatch, slowed_devices
 
     replans = [{"device": 2, "ratio": 3.0}, {"device": 1, "ratio": 0.5},
                {"device": 0, "ratio": 3.0}, {"link": [0, 2], "new_bandwidth": 1.0}]  # fmt: skip
-    assert abandoned_devices(replans, idle=(1, 2)) == [2]  # 0 still trains; 1 got faster
+    assert slowed_devices(replans) == [0, 2]  # 1 got faster; a link is no device
     watch = DeviceWatch([2], window=5, slow_threshold=1.5)
     for seconds in [0.9] * 5 + [0.0] * 3:  # the calibration: the device as it was left
         watch.observe([0.4, 0.4, seconds])
@@ -254,6 +254,13 @@ def test_the_compute_probe_times_its_work_in_a_thread() -> None:
         assert probe.close()
     with pytest.raises(ValueError, match="first_s"):
         ComputeProbe(first_s=0.0)
+    from lightning_deepcee.callbacks.comeback import start_compute_probe
+
+    training, idle = start_compute_probe(True), start_compute_probe(False)
+    try:  # a device that trains is probed less often and shorter: the probe takes its CPU
+        assert training.interval_s > idle.interval_s and training.first_s < idle.first_s
+    finally:
+        assert training.close() and idle.close()
 
 
 def _slow_then_back(step: int) -> float:
@@ -272,9 +279,8 @@ def test_a_device_left_idle_brings_the_plan_back_when_it_recovers(
         uses = any(2 in stage.ranks for stage in strategy.plan.stages)
         return 0.5 * _slow_then_back(step) if uses else 0.8
 
-    run = run_adapter(
-        monkeypatch, 260, world=world, compute=lambda step: [0.5, 0.5, 0.5 * _slow_then_back(step)]
-    )
+    slowed = lambda step: [0.5, 0.5, 0.5 * _slow_then_back(step)]  # noqa: E731
+    run = run_adapter(monkeypatch, 260, world=world, compute=slowed, probe=slowed)
     (moved,) = run.kinds("replan-applied")
     assert 60 < moved["step"] < 160
     (back,) = run.kinds("return-applied")
@@ -294,8 +300,7 @@ def test_the_searcher_is_never_the_device_the_probe_times(monkeypatch: pytest.Mo
 
 
 def test_a_device_that_stays_slow_is_not_returned_to(monkeypatch: pytest.MonkeyPatch) -> None:
-    run = run_adapter(
-        monkeypatch, 260, world=_slowed_world, compute=lambda step: [0.5, 0.5, 0.5 * _slow(step)]
-    )
+    slowed = lambda step: [0.5, 0.5, 0.5 * _slow(step)]  # noqa: E731
+    run = run_adapter(monkeypatch, 260, world=_slowed_world, compute=slowed, probe=slowed)
     assert len(run.kinds("replan-applied")) == 1 and run.kinds("return-applied") == []
     assert run.adapter.comeback.devices is not None  # still watched
