@@ -502,7 +502,9 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
                 self.split_state.split = int(action["from"])
                 self.apply_split(trainer, strategy)
             else:
-                if action["kind"] == "replan":
+                if action["kind"] == "replan" and self.comeback.returns_to(
+                    action["previous"]["plan"]
+                ):
                     self.comeback.close()  # back on the plan it left
                 self.replanner.revert(trainer, strategy, action["previous"])
                 rebuilt = True
@@ -523,8 +525,8 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         )  # fmt: skip
 
     def watched_devices(self) -> list[int]:
-        """The idle devices the come-back's compute probes time (no search runs there)."""
-        return [] if self.comeback.devices is None else list(self.comeback.devices.devices)
+        """The devices the come-back's compute probes time (no search runs there)."""
+        return self.comeback.watched_devices()
 
     # -------------------------------------------------------------------- layout changes
     def new_monitor(self, strategy: AdaptableStrategy) -> None:

@@ -122,11 +122,26 @@ class ComeBack:
         slow_threshold: float,
     ) -> None:
         """On every rank, after a move: keep what it left and probe the slowed links and the
-        slowed devices it left (none: nothing to come back for)."""
-        self.close()
+        slowed devices it left (none: nothing to come back for).
+
+        A move from a layout that was itself moved to keeps coming back to the first plan left
+        and keeps watching what that one left (the links the new plan does not use, every
+        device), with this move's own: the plan in between was made for the change the first
+        move answered, and a return to it would keep that change's answer after it is gone."""
         plan = strategy.current_plan()
-        links = abandoned_links(replans, plan_pairs(plan), plan.idle_ranks)
+        used = set(plan_pairs(plan))
+        links = abandoned_links(replans, used, plan.idle_ranks)
         devices = slowed_devices(replans)
+        if self.left is not None:
+            left = self.left
+            kept = [] if self.watch is None else self.watch.links
+            fresh = {link.probe for link in links}
+            links = sorted(
+                links + [a for a in kept if not used & set(a.pairs) and a.probe not in fresh],
+                key=lambda a: a.probe,
+            )
+            devices = sorted(set(devices) | set(self.watched_devices()))
+        self.close()
         if not links and not devices:
             return
         self.left = left
@@ -135,6 +150,21 @@ class ComeBack:
         if devices:
             self.devices = DeviceWatch(devices, window=window, slow_threshold=slow_threshold)
         self._open_probes(strategy.global_rank, plan.idle_ranks)
+
+    def watched_devices(self) -> list[int]:
+        """The devices the compute probes watch."""
+        return [] if self.devices is None else list(self.devices.devices)
+
+    def returns_to(self, plan: Mapping[str, Any]) -> bool:
+        """``plan`` (a plan dict) has the layout of the plan left: a revert to it ends the
+        come-back, as a return would."""
+        from lightning_deepcee.adapter.replan import placement_key
+        from lightning_deepcee.planner import Plan
+
+        if self.left is None:
+            return False
+        left = placement_key(Plan.from_dict(self.left["plan"]))
+        return left == placement_key(Plan.from_dict(dict(plan)))
 
     def compute_sample(self) -> float:
         """This device's newest compute probe seconds, or 0.0 (the exchange's probe slot)."""

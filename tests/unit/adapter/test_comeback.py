@@ -226,3 +226,36 @@ def test_what_was_left_survives_a_checkpoint(monkeypatch: pytest.MonkeyPatch) ->
     again.adapter.load_state_dict(state)
     assert again.adapter.comeback.state_dict() == state["comeback"]
     assert ClusterProfile.from_dict(state["comeback"]["left"]["profile"]) == world_profile()
+
+
+def test_a_move_from_a_moved_layout_keeps_coming_back_to_the_first_plan_left() -> None:
+    """Device 2 slowed: move A leaves it idle; the cut link then moves B. The come-back still
+    returns to the plan before A and watches device 2 with B's own link."""
+    from types import SimpleNamespace
+
+    from lightning_deepcee.callbacks.comeback import ComeBack
+
+    def at(plan: Any) -> Any:
+        return SimpleNamespace(current_plan=lambda: plan, global_rank=0)
+
+    first = world_plan()
+    same = {"model_fingerprint": "model", "cluster_fingerprint": "cluster"}
+    plan_a = hand_plan([((0, 3), (0,), (1.0,)), ((3, 6), (1,), (1.0,))], schedule="1f1b",
+                       global_batch_size=32, idle_ranks=(2,), **same)  # fmt: skip
+    plan_b = hand_plan([((0, 6), (0,), (1.0,))], schedule="1f1b", global_batch_size=32,
+                       idle_ranks=(1, 2), **same)  # fmt: skip
+    left = {"plan": first.to_dict(), "profile": world_profile().to_dict(), "split": 1,
+            "base": 2, "replanned": None}  # fmt: skip
+    comeback = ComeBack(open_probe=lambda pair, rank, size: None)
+    comeback.moved_away(at(plan_a), left, [{"device": 2, "ratio": 3.0}], window=5,
+                        fast_threshold=1.25, slow_threshold=1.5)  # fmt: skip
+    assert comeback.watched_devices() == [2] and comeback.watch is None
+    link = _decision("0->1", [(0, 1)], E, E / 10)
+    between = {**left, "plan": plan_a.to_dict()}
+    comeback.moved_away(at(plan_b), between, [link], window=5, fast_threshold=1.25,
+                        slow_threshold=1.5)  # fmt: skip
+    assert comeback.left is not None and comeback.left["plan"] == first.to_dict()
+    assert comeback.watched_devices() == [2] and comeback.pairs == [(0, 1)]
+    assert comeback.returns_to(first.to_dict()) and not comeback.returns_to(plan_a.to_dict())
+    comeback.close()
+    assert comeback.left is None and comeback.watched_devices() == []
