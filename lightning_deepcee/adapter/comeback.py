@@ -230,17 +230,26 @@ def slowed_devices(replans: Iterable[Mapping[str, Any]]) -> list[int]:
 
 
 class DeviceWatch:
-    """Compute probe seconds of the devices left idle, a window of ``window`` per device after
-    as many calibration samples (the device as it was left); every rank sees the same."""
+    """Compute probe seconds of the devices a move left, a window of ``window`` per device after
+    as many calibration samples (the device as it was left), both after ``warmup`` samples left
+    out (the move's own work: the new stage's first steps, the state just received); every rank
+    sees the same."""
 
-    def __init__(self, devices: Sequence[int], *, window: int, slow_threshold: float) -> None:
-        if window < 1:
-            raise ValueError(f"DeviceWatch: window must be at least 1, got {window}")
+    def __init__(
+        self, devices: Sequence[int], *, window: int, slow_threshold: float, warmup: int = 2
+    ) -> None:
+        if window < 1 or warmup < 0:
+            raise ValueError(
+                f"DeviceWatch: window must be at least 1 and warmup at least 0, got {window} "
+                f"and {warmup}"
+            )
         if not slow_threshold > 1:
             raise ValueError(f"DeviceWatch: slow_threshold must be above 1, got {slow_threshold}")
         self.devices = sorted(int(d) for d in devices)
         self.window = window
         self.slow_threshold = slow_threshold
+        self.warmup = warmup
+        self.skipped: dict[int, int] = dict.fromkeys(self.devices, 0)
         self.calibration: dict[int, list[float]] = {d: [] for d in self.devices}
         self.samples: dict[int, list[float]] = {d: [] for d in self.devices}
 
@@ -249,6 +258,9 @@ class DeviceWatch:
         for device in self.devices:
             seconds = float(probe_s[device]) if device < len(probe_s) else 0.0
             if not seconds > 0:
+                continue
+            if self.skipped[device] < self.warmup:
+                self.skipped[device] += 1
                 continue
             calibration = self.calibration[device]
             if len(calibration) < self.window:
@@ -285,6 +297,7 @@ class DeviceWatch:
             "devices": self.devices, "window": self.window, "slow_threshold": self.slow_threshold,
             "calibration": [[d, w] for d, w in sorted(self.calibration.items())],
             "samples": [[d, w] for d, w in sorted(self.samples.items())],
+            "warmup": self.warmup, "skipped": [[d, n] for d, n in sorted(self.skipped.items())],
         }  # fmt: skip
 
     @classmethod
@@ -293,7 +306,10 @@ class DeviceWatch:
             state["devices"],
             window=int(state["window"]),
             slow_threshold=float(state["slow_threshold"]),
+            warmup=int(state.get("warmup", 0)),  # older states: no warm-up
         )
+        for device, count in state.get("skipped", []):
+            watch.skipped[int(device)] = int(count)
         for device, values in state["calibration"]:
             watch.calibration[int(device)] = [float(v) for v in values]
         for device, values in state["samples"]:

@@ -4,7 +4,9 @@ Each step every rank adds its figures into one vector that a single all-reduce s
 Lightning shim, ``callback.py``, posts it and reads it a step later): per pair of the running
 plan the bytes and seconds on the wire this rank received, every rank's step time, number of
 proposals, compute seconds and compute probe seconds (the come-back's, on a device it watches)
-in its own slot, and a flag the searcher raises when its re-plan search has finished.
+in its own slot, and a flag the searcher raises when its re-plan search has finished. Every rank
+reads the same sums, so its monitors make the same proposals from them and it acts on them at
+once; the proposal counts check that (:func:`check_agreement`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-__all__ = ["Exchanged", "pack", "unpack"]
+__all__ = ["Exchanged", "check_agreement", "pack", "unpack"]
 
 
 class _Received(Protocol):
@@ -31,7 +33,7 @@ class Exchanged(NamedTuple):
     slowest_s: float
     """The slowest rank's step time."""
     anyone: bool
-    """Some rank has proposals to gather."""
+    """Some rank made proposals with this exchange (:func:`check_agreement`)."""
     search_done: bool
     """The background re-plan search has finished (on the rank that runs it)."""
     compute_s: tuple[float, ...] = ()
@@ -83,3 +85,16 @@ def unpack(step: int, pairs: Sequence[tuple[int, int]], world: int, out: list[fl
     return Exchanged(
         step, rows, max(step_times), sum(counts) > 0, out[-1] > 0, tuple(compute), tuple(probe)
     )
+
+
+def check_agreement(landed: Exchanged, proposed: int) -> None:
+    """Every rank acts at once on the proposals its monitors make from the same sums, with no
+    collective to agree on them: the exchange that counted them (``landed.anyone``) must agree
+    with this rank's own count, ``proposed``, or the ranks' monitors have diverged."""
+    if landed.anyone != (proposed > 0):
+        raise RuntimeError(
+            f"DynamicEnvironmentAdapter: with the exchange of step {landed.step} this rank made "
+            f"{proposed} proposal(s) but the ranks' count says "
+            f"{'some' if landed.anyone else 'none'}: the ranks' monitors disagree (a state "
+            "loaded on some ranks only?); every rank must run the same adapter"
+        )

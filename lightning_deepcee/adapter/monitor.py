@@ -26,9 +26,10 @@ groups). Roughly, per link and per step:
    normal when the window median is past ``expected / fast_threshold`` (hysteresis);
 5. entering DEGRADED proposes a ``split``, leaving it a ``merge``; a DEGRADED or IMPROVED state
    that persists ``replan_after`` steps proposes one ``replan``;
-6. a severe change (every sample of the window beyond ``severe_threshold`` times the
-   expectation) enters its state at once and proposes its ``replan`` with the ``split``; a link
-   already degraded (improved) that turns severe proposes its ``replan`` then.
+6. a severe change (every one of the newest ``severe_window`` samples beyond
+   ``severe_threshold`` times the expectation) enters its state at once and proposes its
+   ``replan`` with the ``split``; a link already degraded (improved) that turns severe proposes
+   its ``replan`` then.
 
 See ``docs/adapter.md`` for the reasoning behind each default.
 """
@@ -102,6 +103,9 @@ class _Track:
     since_step: int = 0
     split: int = 1
     replanned: bool = False
+    fresh: int = 0
+    """Samples since the state was entered: a severe change is judged on these only, so the
+    samples that ended one state cannot also start the next."""
 
     def measured(self) -> float | None:
         window = self.apart if self.state == "improved" else self.together
@@ -240,6 +244,7 @@ class LinkMonitor:
             track = self._tracks[name]
             track.together.append(num_bytes / max(s for _, s in totals))
             track.apart.append(num_bytes / sum(s for _, s in totals))
+            track.fresh += 1
             if track.expected is None:
                 self._calibrate(track)
                 continue
@@ -282,6 +287,7 @@ class LinkMonitor:
                     "since_step": track.since_step,
                     "split": track.split,
                     "replanned": track.replanned,
+                    "fresh": track.fresh,
                 }
                 for name, track in sorted(self._tracks.items())
             ],
@@ -330,6 +336,7 @@ class LinkMonitor:
                 since_step=int(entry["since_step"]),
                 split=min(int(entry["split"]), self.config.max_split),
                 replanned=bool(entry["replanned"]),
+                fresh=int(entry.get("fresh", size)),
             )
         self._tracks = tracks
         self._track_of = {pair: name for name, t in tracks.items() for pair in t.pairs}
@@ -423,6 +430,13 @@ class LinkMonitor:
         apart = statistics.median(track.apart)
         expected = track.expected
         assert expected is not None
+        # A severe change is judged on the newest severe_window samples, all of them taken in
+        # the state now held, and its figure is their median (the window's would still hold
+        # samples from before the change).
+        n = min(cfg.severe_window, cfg.window)
+        newest_t, newest_a = list(track.together)[-n:], list(track.apart)[-n:]
+        severe_slow = track.fresh >= n and max(newest_t) < expected / cfg.severe_threshold
+        severe_fast = track.fresh >= n and min(newest_a) > expected * cfg.severe_threshold
         if track.state == "normal":
             # A change must show in every sample of the window, not just its median: a
             # receiver whose CPU quota stalls it stamps a minority of arrivals late (or early).
@@ -430,12 +444,14 @@ class LinkMonitor:
             fast = min(track.apart) > expected * cfg.slow_threshold
             track.down_streak = track.down_streak + 1 if slow else 0
             track.up_streak = track.up_streak + 1 if fast else 0
-            if max(track.together) < expected / cfg.severe_threshold:
-                split = self._enter_degraded(step, track, together, severe=True)
-                return [split, self._replan(step, track, together, "slower", severe=True)]
-            if min(track.apart) > expected * cfg.severe_threshold:
+            if severe_slow:
+                median = statistics.median(newest_t)
+                split = self._enter_degraded(step, track, median, severe=True)
+                return [split, self._replan(step, track, median, "slower", severe=True)]
+            if severe_fast:
                 self._enter(track, "improved", step)
-                return [self._replan(step, track, apart, "faster", severe=True)]
+                median = statistics.median(newest_a)
+                return [self._replan(step, track, median, "faster", severe=True)]
             if track.down_streak >= cfg.react_after:
                 return [self._enter_degraded(step, track, together)]
             if track.up_streak >= cfg.react_after:
@@ -457,8 +473,9 @@ class LinkMonitor:
                         "consecutive samples; send whole micro-batches again",
                     )
                 ]
-            if not track.replanned and max(track.together) < expected / cfg.severe_threshold:
-                return [self._replan(step, track, together, "slower", severe=True)]
+            if not track.replanned and severe_slow:
+                median = statistics.median(newest_t)
+                return [self._replan(step, track, median, "slower", severe=True)]
             return self._maybe_replan(step, track, together, "slower")
         # improved
         settled = apart < expected * cfg.fast_threshold
@@ -466,8 +483,9 @@ class LinkMonitor:
         if track.down_streak >= cfg.react_after:
             self._enter(track, "normal", step)
             return []
-        if not track.replanned and min(track.apart) > expected * cfg.severe_threshold:
-            return [self._replan(step, track, apart, "faster", severe=True)]
+        if not track.replanned and severe_fast:
+            median = statistics.median(newest_a)
+            return [self._replan(step, track, median, "faster", severe=True)]
         return self._maybe_replan(step, track, apart, "faster")
 
     def _enter_degraded(
@@ -484,7 +502,8 @@ class LinkMonitor:
             "split",
             median,
             (
-                f"every sample of the window < expected/{cfg.severe_threshold:g}, "
+                f"every one of the newest {min(cfg.severe_window, cfg.window)} samples < "
+                f"expected/{cfg.severe_threshold:g}, "
                 if severe
                 else f"every sample < expected/{cfg.slow_threshold:g} for {cfg.react_after} steps, "
             )
@@ -506,8 +525,8 @@ class LinkMonitor:
         cfg = self.config
         track.replanned = True
         why = (
-            f"every sample of the window {direction} than planned by more than "
-            f"{cfg.severe_threshold:g}x (severe_threshold)"
+            f"every one of the newest {min(cfg.severe_window, cfg.window)} samples {direction} "
+            f"than planned by more than {cfg.severe_threshold:g}x (severe_threshold)"
             if severe
             else f"link {direction} than planned for {step - track.since_step} steps "
             f"(replan_after={cfg.replan_after})"
@@ -523,6 +542,7 @@ class LinkMonitor:
         track.down_streak = 0
         track.up_streak = 0
         track.replanned = False
+        track.fresh = 0
 
     @staticmethod
     def _decision(

@@ -59,11 +59,16 @@ class MonitorConfig:
     replan_after: int = 20
     """Steps a DEGRADED or IMPROVED state must persist before the slow response: one re-plan."""
     severe_threshold: float = 4.0
-    """A link whose every sample of the window is below ``expected / severe_threshold`` (above
-    ``expected * severe_threshold``) changes state at once, without ``react_after``, and proposes
-    its re-plan with the split, without ``replan_after`` (a link already degraded or improved
-    proposes it when it turns severe): a change that large is no transient (a stall inflates a
-    minority of samples), and each step on the old plan costs several."""
+    """A link whose every one of the newest ``severe_window`` samples is below ``expected /
+    severe_threshold`` (above ``expected * severe_threshold``) changes state at once, without
+    ``react_after``, and proposes its re-plan with the split, without ``replan_after`` (a link
+    already degraded or improved proposes it when it turns severe): a change that large is no
+    transient (a stall inflates a minority of samples), and each step on the old plan costs
+    several."""
+    severe_window: int = 3
+    """The newest samples a severe change must show in, all of them (a ``window`` smaller than
+    this uses all of its own): a drop to a quarter is acted on at its third sample, not its
+    fifth, and a stall that inflates one sample, or two, still cannot pass for one."""
     min_bytes: int = 65536
     """Transfers smaller than this many bytes are ignored: their time is mostly latency and
     jitter, not bandwidth."""
@@ -115,6 +120,7 @@ class MonitorConfig:
         defaults = {f.name: f.default for f in fields(MonitorConfig)}
         for name, minimum in (
             ("window", 1),
+            ("severe_window", 1),
             ("react_after", 1),
             ("replan_after", 1),
             ("min_bytes", 0),

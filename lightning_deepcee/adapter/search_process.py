@@ -9,6 +9,10 @@ priority (``nice 19``) and, under a quota, spends at most ``share`` of each peri
 (a ``SIGPROF`` timer counts its CPU and sleeps out the period when the share is spent), leaving
 the rest to the training process and its communication threads.
 
+A re-plan searches the running plan's neighbourhood first (its training devices and their
+subsets, half, the same and twice its micro-batches), which takes a fraction of a whole search,
+and the whole cluster only when no plan near it pays.
+
 Request and outcome are JSON files in a temporary folder: the request holds the observed
 profile, the running plan, the margin and the strategy's ``device_gain`` and ``compression``;
 the outcome is :meth:`ReplanChoice.to_dict` or ``{"error": ...}``. A search of plans ahead
@@ -20,6 +24,7 @@ also appends each plan to a file as it finds it, which the parent reads while it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -46,18 +51,21 @@ _ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 def run(
     request: Mapping[str, Any], emit: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
-    """The search itself, as a dict: ``choose_replan`` on the request's profile and plan, or
-    with ``"kind": "contingencies"`` a plan for each scenario of the request's ``"scopes"``
-    (``"links"``: ``contingency_profiles``, ``"devices"``: ``device_contingency_profiles``, in
-    that order), searched in the plan's neighbourhood, those named in ``"skip"`` left out
-    (``{"plans": [{"name": ..., "plan": ...}, ...]}``, a scenario nothing fits left out);
-    ``emit`` takes each of those entries as soon as it is found."""
+    """The search itself, as a dict: ``choose_replan`` on the request's profile and plan (the
+    plan's neighbourhood first, ``neighbourhood_search``, and the whole cluster only when no
+    plan near it pays by the request's ``"gain"``), or with ``"kind": "contingencies"`` a plan
+    for each scenario of the request's ``"scopes"`` (``"links"``: ``contingency_profiles``,
+    ``"devices"``: ``device_contingency_profiles``, in that order), searched in the plan's
+    neighbourhood, those named in ``"skip"`` left out (``{"plans": [{"name": ..., "plan":
+    ...}, ...]}``, a scenario nothing fits left out); ``emit`` takes each of those entries as
+    soon as it is found."""
     from lightning_deepcee.adapter.contingency import (
         contingency_profiles,
         device_contingency_profiles,
         neighbourhood_search,
     )
-    from lightning_deepcee.adapter.replan import choose_replan
+    from lightning_deepcee.adapter.replan import choose_replan, placement_key
+    from lightning_deepcee.planner.cost_model import predict_plan
     from lightning_deepcee.planner.plan import Plan
     from lightning_deepcee.planner.prediction import CostModelConfig
     from lightning_deepcee.planner.search import DEVICE_GAIN, plan_search
@@ -93,12 +101,22 @@ def run(
                     emit(plans[-1])
         return {"plans": plans}
     clocked = request.get("current_s")
+    current_s = None if clocked is None else float(clocked)
+    gain = float(request["gain"])
+
+    def near_first(observed: ClusterProfile, **_: Any) -> Plan:
+        """The plan's neighbourhood first (seconds, not minutes): taken when it pays by
+        ``gain``; the whole cluster is searched only when it does not."""
+        reference = predict_plan(observed, current).step_time_s if current_s is None else current_s
+        with contextlib.suppress(ValueError):  # nothing fits the neighbourhood
+            near = neighbourhood_search(observed, current, device_gain=device_gain, config=config)
+            near_s = predict_plan(observed, near, config=config).step_time_s
+            if placement_key(near) != placement_key(current) and near_s < reference * (1 - gain):
+                return dataclasses.replace(near, predicted_step_time_s=near_s)
+        return search(observed)
+
     return choose_replan(
-        profile,
-        current,
-        gain=float(request["gain"]),
-        search=lambda observed, **_: search(observed),
-        current_s=None if clocked is None else float(clocked),
+        profile, current, gain=gain, search=near_first, current_s=current_s
     ).to_dict()
 
 

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_deepcee.adapter.compute import ComputeMonitor
-from lightning_deepcee.adapter.exchange import Exchanged, pack, unpack
+from lightning_deepcee.adapter.exchange import Exchanged, check_agreement, pack, unpack
 from lightning_deepcee.adapter.guard import ActionGuard, GuardConfig, Verdict
 from lightning_deepcee.adapter.monitor import LinkMonitor, LinkObservation, MonitorConfig
 from lightning_deepcee.callbacks.after_step import AfterStepCallback
@@ -94,6 +94,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         react_after: int = 3,
         replan_after: int = 20,
         severe_threshold: float = 4.0,
+        severe_window: int = 3,
         min_bytes: int = 65536,
         max_split: int = 4,
         warmup_steps: int = 5,
@@ -109,7 +110,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         self.config = MonitorConfig(
             slow_threshold=slow_threshold, fast_threshold=fast_threshold, window=window,
             react_after=react_after, replan_after=replan_after,
-            severe_threshold=severe_threshold, min_bytes=min_bytes,
+            severe_threshold=severe_threshold, severe_window=severe_window, min_bytes=min_bytes,
             max_split=max_split, warmup_steps=warmup_steps, calibration_steps=calibration_steps,
             calibration_quantile=calibration_quantile,
         )  # fmt: skip
@@ -140,7 +141,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         self._inflight: Callable[[], Exchanged] | None = None
         """Waits for the exchange posted at the end of the last step and reads it."""
         self._proposed: list[dict[str, Any]] = []
-        """This rank's proposals counted in the exchange in flight (gathered when it lands)."""
+        """This rank's proposals counted in the exchange in flight (checked when it lands)."""
         self._changes = 0
         """Counts changes of the running configuration (split, layout): figures and searches
         begun under an older count describe a configuration that is gone."""
@@ -196,13 +197,15 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         now = time.perf_counter()
         step_s = 0.0 if self._last_batch_end is None else now - self._last_batch_end
         self._last_batch_end = now
-        # The exchange posted last step lands now (its latency hid behind this step). Its
-        # transfers are judged now and the proposals counted in this step's exchange, so one
-        # all-reduce per step carries the figures and whether any rank has something to say.
+        # The exchange posted last step lands now (its latency hid behind this step). Every
+        # rank reads the same sums, so every rank's monitors make the same proposals from them
+        # and all act on them together now, with no further collective; the count each rank
+        # posts checks that at the next landing.
         landed = None if self._inflight is None else self._inflight()
         self._inflight = None
         mine: list[dict[str, Any]] = []
         if landed is not None:
+            check_agreement(landed, len(self._proposed))
             observations = [LinkObservation(landed.step, s, d, b, t) for s, d, b, t in landed.rows]
             mine = [d.to_dict() for d in self.monitor.observe(landed.step, observations)]
             mine += self._watch_compute(strategy, landed)
@@ -211,7 +214,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         self._inflight = self._exchange(
             strategy, step, step_s, len(mine), job is not None and job.done()
         )
-        proposed, self._proposed = self._proposed, mine
+        self._proposed = mine
         if landed is None:
             return
         monitor, changes = self.monitor, self._changes
@@ -221,14 +224,8 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         self.replanner.note_clock(strategy, landed.step)
         if landed.search_done and self.replanner.search is not None:
             self.replanner.finish(trainer, strategy)
-        if landed.anyone:
-            gathered: list[list[dict[str, Any]] | None] = [None] * strategy.world_size
-            torch.distributed.all_gather_object(gathered, proposed)
-            seen: dict[str, dict[str, Any]] = {}
-            for part in gathered:
-                for d in part or []:
-                    seen.setdefault(json.dumps(d, sort_keys=True), d)
-            self._decide(trainer, strategy, list(seen.values()), stale=monitor is not self.monitor)
+        if mine:
+            self._decide(trainer, strategy, mine, stale=monitor is not self.monitor)
         self.comeback.observe(landed.rows, landed.probe_s)
         if self.comeback.due() and self.guard.pending is None and self.replanner.search is None:
             self.comeback.come_back(trainer, strategy, self)

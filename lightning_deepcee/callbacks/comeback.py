@@ -34,6 +34,7 @@ from lightning_deepcee.adapter.comeback import (
 )
 from lightning_deepcee.adapter.links import plan_pairs
 from lightning_deepcee.runtime.compute_probe import ComputeProbe
+from lightning_deepcee.runtime.cpu_quota import read_cpu_quota
 from lightning_deepcee.runtime.probe import open_link_probe
 
 if TYPE_CHECKING:
@@ -77,8 +78,14 @@ class ComeBackHost(Protocol):
 def start_compute_probe(trains: bool) -> ComputeProbe:
     """This device's compute probe: every second, about a quarter of a second of work, on an
     idle device; every three seconds and a tenth of a second where it trains (it takes that
-    CPU from the training, a few percent of a slowed device's)."""
-    return ComputeProbe(first_s=0.1, interval_s=3.0) if trains else ComputeProbe()
+    CPU from the training, a few percent of a slowed device's). Under a CPU quota a probe lasts
+    at least three of its periods: a shorter one may fit in one period's budget and run at full
+    speed however low the quota."""
+    quota = read_cpu_quota()
+    least = 0.0 if quota is None else 3 * quota.period_s
+    if trains:
+        return ComputeProbe(first_s=max(0.1, least), interval_s=3.0)
+    return ComputeProbe(first_s=max(0.25, least))
 
 
 class ComeBack:

@@ -67,15 +67,26 @@ class Contingencies:
         self, strategy: AdaptableStrategy, observed: ClusterProfile, current_s: float, gain: float
     ) -> dict[str, Any]:
         """On the searcher: the running layout's plans searched ahead so far, the fastest on
-        ``observed`` as a ``ReplanChoice`` dict, or ``{}`` when none is ready or differs."""
+        ``observed`` as a ``ReplanChoice`` dict, or ``{"reason": ...}`` saying why there is
+        none (not yet searched, or none differs from the running layout)."""
         from lightning_deepcee.planner import Plan
 
         self._collect()
         current = strategy.current_plan()
-        ready = self.plans.get(json.dumps(placement_key(current)), [])
+        key = json.dumps(placement_key(current))
+        ready = self.plans.get(key, [])
         plans = [(entry["name"], Plan.from_dict(entry["plan"])) for entry in ready]
         choice = choose_contingency(observed, current, current_s, plans, gain=gain)
-        return {} if choice is None else choice.to_dict()
+        if choice is not None:
+            return choice.to_dict()
+        searching = self._job is not None and self._job_key == key
+        state = (
+            "still searching" if searching else "searched" if key in self._searched else "not begun"
+        )
+        return {
+            "reason": f"{len(ready)} plan(s) searched ahead for this layout, none of another "
+            f"layout ({state})"
+        }
 
     def pause(self) -> None:
         """Stop a search in progress (a re-plan search needs the device), keeping what it found;

@@ -240,7 +240,7 @@ class Replanner:
         self.search = search
         why = (
             f"searching a plan for the links as measured, in the background on rank "
-            f"{search.searcher}; training goes on"
+            f"{search.searcher}; training goes on (plans ahead: {ahead.get('reason', 'none')})"
         )
         host.record(trainer, {"kind": "replan-search", "reason": why})
 

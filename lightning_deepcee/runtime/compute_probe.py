@@ -7,7 +7,10 @@ to show its recovery. Its process times a fixed piece of work (matrix products) 
 tenant's time slices), so their ratio over time is the device's speed-up. The work is sized once,
 at the first probe, to take about ``first_s`` on the device as it is then (slowed); a device
 back at full speed runs it several times faster, which the adapter's watch
-(``adapter/comeback.py``: ``DeviceWatch``) compares.
+(``adapter/comeback.py``: ``DeviceWatch``) compares. The matrices grow first until one product
+takes ``op_s``: each product releases the interpreter's lock while it runs and takes it back
+after, so on a device that also trains, few and long products time the device, where many short
+ones would mostly time how long the training thread holds the lock.
 
 Runtime layer: torch, never lightning.
 """
@@ -22,23 +25,32 @@ import torch
 __all__ = ["ComputeProbe"]
 
 _MAX_REPEATS = 2**16
+_MAX_SIZE = 1024
 
 
 class ComputeProbe:
     """Times a fixed piece of compute every ``interval_s`` in a daemon thread (see the module
     docstring); :meth:`take` hands over the newest figure."""
 
-    def __init__(self, *, first_s: float = 0.25, interval_s: float = 1.0, size: int = 128) -> None:
-        if not (first_s > 0 and interval_s >= 0 and size >= 1):
+    def __init__(
+        self,
+        *,
+        first_s: float = 0.25,
+        interval_s: float = 1.0,
+        size: int = 128,
+        op_s: float = 0.005,
+    ) -> None:
+        if not (first_s > 0 and interval_s >= 0 and size >= 1 and op_s >= 0):
             raise ValueError(
-                f"ComputeProbe: needs first_s > 0, interval_s >= 0 and size >= 1, got "
-                f"{first_s}, {interval_s}, {size}"
+                f"ComputeProbe: needs first_s > 0, interval_s >= 0, size >= 1 and op_s >= 0, "
+                f"got {first_s}, {interval_s}, {size}, {op_s}"
             )
         self.first_s = first_s
         self.interval_s = interval_s
-        generator = torch.Generator().manual_seed(0)
-        self._a = torch.randn(size, size, generator=generator)
-        self._b = torch.randn(size, size, generator=generator)
+        self.op_s = op_s
+        self.size = size
+        """The matrices' side, grown at the first probe until one product takes ``op_s``."""
+        self._a, self._b = _matrices(size)
         self.repeats: int | None = None
         """Matrix products per probe, once sized."""
         self._latest = 0.0
@@ -57,6 +69,10 @@ class ComputeProbe:
     def _run(self) -> None:
         while not self._stop.is_set():
             if self.repeats is None:
+                self._time(1)  # the first product pays for the kernel's set-up
+                while self._time(4) / 4 < self.op_s and self.size < _MAX_SIZE:
+                    self.size = min(2 * self.size, _MAX_SIZE)
+                    self._a, self._b = _matrices(self.size)
                 repeats, seconds = 1, self._time(1)
                 while seconds < self.first_s and repeats < _MAX_REPEATS:
                     repeats *= 2
@@ -79,3 +95,11 @@ class ComputeProbe:
         self._stop.set()
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+
+def _matrices(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return (
+        torch.randn(size, size, generator=generator),
+        torch.randn(size, size, generator=generator),
+    )

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from lightning_deepcee import DeepCEEStrategy, DynamicEnvironmentAdapter
 from lightning_deepcee.adapter import (
@@ -201,8 +200,6 @@ def run_adapter(
     rng = np.random.default_rng(seed)
     strategy = WorldStrategy(profile)
     adapter = DynamicEnvironmentAdapter(**adapter_args)
-    gather = lambda out, obj: out.__setitem__(0, obj)  # noqa: E731
-    monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
     monkeypatch.setattr(replanning, "SearchProcess", AtOnce)  # searches land on a known step
     monkeypatch.setattr(coming_back, "open_link_probe", lambda pair, rank, size, **_: None)
     monkeypatch.setattr(coming_back, "start_compute_probe", NoProbe)  # probe(step) has figures

@@ -234,8 +234,8 @@ def test_adapter_replan_moves_blocks_and_survives_resume(tmp_path: Path) -> None
     start = adapter["plans"][0]["start"]
     assert len(start["stages"]) == 1  # data parallelism on the fast profile
     applied = [d for d in adapter["decisions"] if d["kind"] == "replan-applied"]
-    # Forced at step 2: searched at 3, rank 0's flag lands at 5, moved at the end of step 5.
-    assert len(applied) == 1 and applied[0]["step"] == 5, adapter["decisions"]
+    # Forced at step 2 and searched then, rank 0's flag lands at 4, moved at the end of step 4.
+    assert len(applied) == 1 and applied[0]["step"] == 4, adapter["decisions"]
     assert applied[0]["new_step_time_s"] < 0.9 * applied[0]["current_step_time_s"]
     final = adapter["plan"]
     assert final == applied[0]["plan"] and final["stages"] != start["stages"]

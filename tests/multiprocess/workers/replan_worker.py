@@ -7,10 +7,11 @@
 Each config trains the tiny model with DeepCEEStrategy (built by ``fit_worker.make_trainer``) and
 changes the layout at step boundaries, either directly (``"apply"``: ``{step: [plan files]}``
 passed to ``DeepCEEStrategy.apply_plan``; a list of one file per rank gives the ranks different
-plans) or through the adapter (``"forced_replan"``: the monitor of the link's receiving rank
-reports a ``replan`` decision at that step). Every rank writes its final parameters, Adam state
-and learning rates by global parameter name, the plan it ended on, the errors that
-``apply_plan`` raised and the adapter's decisions to ``OUT_DIR/<name>/rank<r>.pt``.
+plans) or through the adapter (``"forced_replan"``: every rank's monitor reports a ``replan``
+decision for the link at that step, as every rank's monitor reads the same exchanged figures).
+Every rank writes its final parameters, Adam state and learning rates by global parameter name,
+the plan it ended on, the errors that ``apply_plan`` raised and the adapter's decisions to
+``OUT_DIR/<name>/rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from tests.multiprocess.workers.fit_worker import make_trainer
 
 class _AtOnce:
     """The re-plan search finished when it starts, so the step a re-plan lands on is known
-    (forced at step S: proposed in S's exchange, gathered and searched at S+1, rank 0's flag in
-    S+2's exchange, moved at S+3). The search process is tested in tests/unit."""
+    (forced at step S: proposed and searched at S, rank 0's flag in S+1's exchange, read and
+    moved at S+2). The search process is tested in tests/unit."""
 
     def __init__(self, request: Any) -> None:
         self._outcome = search_process.run(request)
@@ -76,10 +77,10 @@ class _ApplyPlans(pl.Callback):
 
 
 class _ForcedReplan(DynamicEnvironmentAdapter):
-    """The adapter, with the monitor of ``link``'s receiver adding a ``replan`` at ``step``.
+    """The adapter, with every rank's monitor adding a ``replan`` for ``link`` at ``step``.
 
     The decision says the link now delivers ``factor`` times the profile's bandwidth; it travels
-    the adapter's own path (count all-reduce, gather, decide) like a real one.
+    the adapter's own path (decide, its count checked in the next exchange) like a real one.
     """
 
     def __init__(self, step: int, link: list[int], factor: float, **kwargs: Any) -> None:
@@ -98,11 +99,7 @@ class _ForcedReplan(DynamicEnvironmentAdapter):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any
     ) -> None:
         monitor = self.monitor
-        if (
-            monitor is not None
-            and trainer.global_step == self.at_step
-            and trainer.global_rank == self.link[1]
-        ):
+        if monitor is not None and trainer.global_step == self.at_step:
             profile = trainer.strategy.cluster_profile  # type: ignore[attr-defined]
             src, dst = self.link
             old = 1e8 if profile is None else profile.bandwidth_bytes_per_s[src][dst]

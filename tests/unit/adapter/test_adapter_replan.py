@@ -562,3 +562,33 @@ def test_the_search_process_plans_with_the_strategys_device_gain() -> None:
     assert not kept["apply"] and "running layout again" in kept["reason"], kept["reason"]
     fewer = Plan.from_dict(run({**request, "device_gain": 0.2})["plan"])
     assert fewer.ranks == (0, 1), fewer.format_table()
+
+
+def test_the_re_plan_search_takes_a_plan_near_the_running_one_without_the_whole_search(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import lightning_deepcee.planner.search as planner_search
+    from lightning_deepcee.adapter.search_process import run
+    from tests.helpers.clusters import two_zones
+
+    # Planned on both zones with a fast WAN; the WAN then falls to 100 kB/s, and zone A alone
+    # (a subset of the running plan's devices: its neighbourhood) pays.
+    current = plan_search(two_zones(1e9), num_blocks=8, global_batch_size=32, device_gain=0.0)
+    assert len(current.ranks) > 2, current.format_table()
+    whole: list[object] = []
+    full_search = planner_search.plan_search
+    monkeypatch.setattr(
+        planner_search, "plan_search", lambda *a, **k: whole.append(a) or full_search(*a, **k)
+    )
+    request = {"profile": two_zones(1e5).to_dict(), "plan": current.to_dict(), "gain": 0.1}
+    near = run({**request, "device_gain": 0.0})
+    assert near["apply"] and whole == [], near["reason"]
+    assert set(Plan.from_dict(near["plan"]).ranks) <= set(current.ranks)
+    # Planned on zone A alone; with a fast WAN the better plan adds zone B, which is not near
+    # the running plan: the whole cluster is searched then.
+    alone = plan_search(two_zones(1e5), num_blocks=8, global_batch_size=32, device_gain=0.0)
+    assert set(alone.ranks) <= {0, 1}, alone.format_table()
+    request = {"profile": two_zones(1e10).to_dict(), "plan": alone.to_dict(), "gain": 0.1}
+    far = run({**request, "device_gain": 0.0})
+    assert len(whole) == 1
+    assert not far["apply"] or set(Plan.from_dict(far["plan"]).ranks) - {0, 1}, far["reason"]

@@ -223,6 +223,9 @@ def test_a_slowed_device_is_watched_by_its_probe_and_recovers() -> None:
                {"device": 0, "ratio": 3.0}, {"link": [0, 2], "new_bandwidth": 1.0}]  # fmt: skip
     assert slowed_devices(replans) == [0, 2]  # 1 got faster; a link is no device
     watch = DeviceWatch([2], window=5, slow_threshold=1.5)
+    for seconds in [2.0, 0.0, 2.5]:  # the warm-up: the move's own work, left out
+        watch.observe([0.4, 0.4, seconds])
+    assert watch.slowed_s(2) is None and watch.skipped == {2: 2}
     for seconds in [0.9] * 5 + [0.0] * 3:  # the calibration: the device as it was left
         watch.observe([0.4, 0.4, seconds])
     assert watch.slowed_s(2) == pytest.approx(0.9) and watch.speedup(2) is None
@@ -239,7 +242,9 @@ def test_a_slowed_device_is_watched_by_its_probe_and_recovers() -> None:
 def test_the_compute_probe_times_its_work_in_a_thread() -> None:
     from lightning_deepcee.runtime.compute_probe import ComputeProbe
 
-    probe = ComputeProbe(first_s=0.01, interval_s=0.0, size=32)
+    # From 8x8 matrices the probe grows them until one product takes op_s (a few x 8^3 flops
+    # never take a millisecond), so that it takes the interpreter's lock rarely.
+    probe = ComputeProbe(first_s=0.01, interval_s=0.0, size=8, op_s=0.001)
     try:
         seconds = 0.0
         for _ in range(2000):
@@ -250,6 +255,7 @@ def test_the_compute_probe_times_its_work_in_a_thread() -> None:
 
             time.sleep(0.005)
         assert seconds > 0 and probe.repeats is not None and probe.repeats >= 1
+        assert 8 < probe.size <= 1024
     finally:
         assert probe.close()
     with pytest.raises(ValueError, match="first_s"):
@@ -259,6 +265,20 @@ def test_the_compute_probe_times_its_work_in_a_thread() -> None:
     training, idle = start_compute_probe(True), start_compute_probe(False)
     try:  # a device that trains is probed less often and shorter: the probe takes its CPU
         assert training.interval_s > idle.interval_s and training.first_s < idle.first_s
+    finally:
+        assert training.close() and idle.close()
+
+
+def test_a_probe_under_a_cpu_quota_lasts_three_of_its_periods(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_deepcee.callbacks.comeback import start_compute_probe
+    from lightning_deepcee.runtime.cpu_quota import CPU_MAX_ENV
+
+    monkeypatch.setenv(CPU_MAX_ENV, "20000 200000")  # a tenth of a core in 200 ms periods
+    training, idle = start_compute_probe(True), start_compute_probe(False)
+    try:
+        assert training.first_s == idle.first_s == pytest.approx(0.6)
     finally:
         assert training.close() and idle.close()
 

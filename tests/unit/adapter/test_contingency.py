@@ -119,11 +119,11 @@ def test_a_severe_drop_moves_to_the_plan_searched_ahead_without_a_search(
     run = run_adapter(monkeypatch, 120, _severe)
     (applied,) = run.kinds("replan-applied")
     proposals = [d for d in run.adapter.decisions if d["kind"] == "replan"]
-    # Proposed for both directions with the split, once the window holds only severe samples
-    # (5 steps), and applied when the proposals land (the exchange's one step later).
+    # Proposed for both directions with the split, once the newest severe_window (3) samples
+    # are all severe, and applied as they are made: when that step's exchange lands, one later.
     assert {d["name"] for d in proposals} == {"net0->net1", "net1->net0"}
-    assert {d["step"] for d in proposals} == {60 + 5 - 1}
-    assert applied["step"] == proposals[0]["step"] + 2
+    assert {d["step"] for d in proposals} == {60 + 3 - 1}
+    assert applied["step"] == proposals[0]["step"] + 1
     assert all("severe_threshold" in d["reason"] for d in proposals)
     assert "searched ahead" in applied["reason"]
     assert run.kinds("replan-search") == [] and run.kinds("split-applied") == []
@@ -151,7 +151,8 @@ def test_without_a_plan_ahead_the_search_runs(monkeypatch: pytest.MonkeyPatch) -
     run = run_adapter(monkeypatch, 120, _severe)
     (search,) = run.kinds("replan-search")
     (applied,) = run.kinds("replan-applied")
-    assert search["step"] == 60 + 5 + 1 and applied["step"] > search["step"]
+    # Proposed at the 3rd severe sample (step 62), acted on as the exchange lands (63).
+    assert search["step"] == 60 + 3 and applied["step"] > search["step"]
     assert "searched ahead" not in applied["reason"]
 
 
@@ -228,9 +229,13 @@ def test_plans_found_so_far_are_used_and_kept_through_a_pause() -> None:
 
     strategy = WorldStrategy(world_profile())
     ahead = Contingencies(start)  # type: ignore[arg-type]
-    ahead.prepare(strategy, {})
     current = strategy.current_plan()
     current_s = predict_plan(profile_at(0.05), current).step_time_s
+    # Before its search begins, and while it has found nothing, the choice says so.
+    none = ahead.choose(strategy, profile_at(0.05), current_s, 0.1)  # type: ignore[arg-type]
+    assert none == {"reason": "0 plan(s) searched ahead for this layout, none of another "
+                    "layout (not begun)"}  # fmt: skip
+    ahead.prepare(strategy, {})
     choice = ahead.choose(strategy, profile_at(0.05), current_s, 0.1)  # type: ignore[arg-type]
     assert choice["apply"] and "net0<->net1" in choice["reason"]
     ahead.pause()
@@ -242,6 +247,18 @@ def test_plans_found_so_far_are_used_and_kept_through_a_pause() -> None:
     names = [p["name"] for plans in ahead.plans.values() for p in plans]
     assert names == ["net0<->net1", "device 0", "device 1", "device 2"]
     assert len(started) == 2
+
+
+def test_no_plan_ahead_yet_says_the_search_still_runs() -> None:
+    from tests.helpers.adapter_world import WorldStrategy
+
+    strategy = WorldStrategy(world_profile())
+    ahead = Contingencies(lambda request: _Job(request, [], ready=0))  # type: ignore[arg-type,return-value]
+    ahead.prepare(strategy, {})
+    current_s = predict_plan(profile_at(0.05), strategy.current_plan()).step_time_s
+    none = ahead.choose(strategy, profile_at(0.05), current_s, 0.1)  # type: ignore[arg-type]
+    assert none == {"reason": "0 plan(s) searched ahead for this layout, none of another "
+                    "layout (still searching)"}  # fmt: skip
 
 
 def test_the_search_process_writes_each_plan_as_it_finds_it() -> None:

@@ -252,8 +252,8 @@ def test_a_severe_drop_splits_and_replans_at_once(factor: float) -> None:
     decisions = _feed(monitor, [1.0] * 50 + [factor] * 100)
     assert [d.kind for d in decisions] == ["split", "replan"]
     split, replan = decisions
-    # Within the window (no react_after streak), and the re-plan in the same step.
-    assert split.step == replan.step == 50 + CFG.window - 1
+    # At the severe_window-th severe sample (no react_after streak), the re-plan in the same step.
+    assert split.step == replan.step == 50 + CFG.severe_window - 1 < 50 + CFG.window - 1
     assert split.split_factor == replan.split_factor == CFG.max_split
     assert replan.new_bandwidth == pytest.approx(factor * EXPECTED, rel=1e-6)
     assert "severe_threshold" in replan.reason
@@ -271,7 +271,8 @@ def test_a_severe_rise_replans_at_once() -> None:
     monitor = _monitor()
     decisions = _feed(monitor, [1.0] * 50 + [5.0] * 100)
     assert [d.kind for d in decisions] == ["replan"]
-    assert decisions[0].step == 50 + CFG.window - 1
+    assert decisions[0].step == 50 + CFG.severe_window - 1
+    assert decisions[0].new_bandwidth == pytest.approx(5.0 * EXPECTED, rel=1e-6)
     assert monitor.link_state(LINK) == "improved"
 
 
@@ -280,16 +281,48 @@ def test_a_degraded_link_that_turns_severe_replans_then() -> None:
     decisions = _feed(monitor, [1.0] * 50 + [0.5] * 12 + [0.1] * 30)
     assert [d.kind for d in decisions] == ["split", "replan"]
     split, replan = decisions
-    assert split.step < 62 and replan.step == 62 + CFG.window - 1
+    assert split.step < 62 and replan.step == 62 + CFG.severe_window - 1
     assert "severe_threshold" in replan.reason
     assert replan.new_bandwidth == pytest.approx(0.1 * EXPECTED, rel=1e-6)
 
 
 def test_one_sample_above_the_severe_threshold_keeps_the_usual_pace() -> None:
-    # Every sample but one at a tenth: the window never holds only severe samples at once.
-    factors = [1.0] * 50 + [0.1, 0.1, 0.3, 0.1, 0.1] * 20
+    # At a tenth but every severe_window-th sample: the newest severe_window samples never all
+    # are severe at once.
+    period = [0.1] * (CFG.severe_window - 1) + [0.3]
+    factors = [1.0] * 50 + period * 40
     split, replan = _feed(_monitor(), factors)
     assert replan.step == split.step + CFG.replan_after
+
+
+def test_samples_that_ended_a_state_do_not_also_start_a_severe_one() -> None:
+    # The merge at step 9 is judged on the window's median, which lags the two severe samples
+    # before it; the next severe split waits for severe_window samples after the merge.
+    decisions = _feed(_monitor(), [0.1] * 5 + [1.0] * 3 + [0.1] * 6)
+    assert [(d.step, d.kind) for d in decisions] == [
+        (4, "split"), (4, "replan"), (9, "merge"), (12, "split"), (12, "replan")
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("stalled", [1, 2])
+def test_a_few_stalled_samples_are_no_severe_change(stalled: int) -> None:
+    # Fewer severe samples in a row than severe_window: nothing, however deep.
+    assert stalled < CFG.severe_window
+    decisions = _feed(_monitor(), [1.0] * 50 + [0.01] * stalled + [1.0] * 50)
+    assert decisions == []
+
+
+@pytest.mark.parametrize(("severe_window", "window", "samples"), [(1, 5, 1), (2, 5, 2), (5, 5, 5),
+                                                                   (3, 2, 2)])  # fmt: skip
+def test_the_severe_window_sets_how_soon_a_severe_drop_is_acted_on(
+    severe_window: int, window: int, samples: int
+) -> None:
+    # A window smaller than severe_window uses all of its own samples.
+    config = dataclasses.replace(CFG, severe_window=severe_window, window=window)
+    split, replan = _feed(_monitor(config), [1.0] * 50 + [0.1] * 30)
+    assert split.step == replan.step == 50 + samples - 1
+    assert f"newest {samples} samples" in replan.reason
+    assert replan.new_bandwidth == pytest.approx(0.1 * EXPECTED, rel=1e-6)
 
 
 def test_brief_drop_does_not_replan() -> None:
@@ -605,6 +638,7 @@ def test_load_state_dict_rejects_other_versions_and_warns_on_config_change() -> 
         ({"min_bytes": -1}, ">= 0"),
         ({"max_split": 0}, "max_split"),
         ({"window": 2.5}, "expected an integer"),
+        ({"severe_window": 0}, "severe_window: expected an integer >= 1"),
         ({"max_split": True}, "expected an integer"),
     ],
 )

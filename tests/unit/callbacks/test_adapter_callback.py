@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lightning_deepcee import DeepCEEStrategy, DynamicEnvironmentAdapter
+from lightning_deepcee.adapter.exchange import Exchanged, check_agreement
 from lightning_deepcee.planner import Plan
 from lightning_deepcee.runtime.executor import StepStats
 from lightning_deepcee.runtime.transport import TransferRecord
@@ -122,6 +123,21 @@ def test_one_all_reduce_carries_the_pairs_wire_time_step_time_and_proposals(
     assert landed.step == 7 and landed.rows == [[0, 2, 2 << 20, 0.75]]
     assert landed.slowest_s == 0.7 and landed.anyone and landed.search_done
     assert landed.compute_s == (0.5, 0.0, 0.375) and landed.probe_s == (0.25, 0.0, 0.0)
+
+
+@pytest.mark.parametrize(("anyone", "proposed"), [(True, 2), (False, 0)])
+def test_ranks_that_proposed_alike_pass_the_check(anyone: bool, proposed: int) -> None:
+    check_agreement(Exchanged(7, [], 0.5, anyone, False), proposed)
+
+
+@pytest.mark.parametrize(("anyone", "proposed", "says"), [(True, 0, "some"), (False, 1, "none")])
+def test_ranks_whose_monitors_disagree_stop_with_an_error(
+    anyone: bool, proposed: int, says: str
+) -> None:
+    # Every rank acts on its own proposals at once: a count that disagrees means the ranks did
+    # not act alike, and training must not go on as if they had.
+    with pytest.raises(RuntimeError, match=f"made {proposed} proposal.*count says {says}"):
+        check_agreement(Exchanged(7, [], 0.5, anyone, False), proposed)
 
 
 def test_the_state_round_trips_and_an_older_one_starts_afresh() -> None:
