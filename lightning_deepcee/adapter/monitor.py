@@ -433,10 +433,11 @@ class LinkMonitor:
         # A severe change is judged on the newest severe_window samples, all of them taken in
         # the state now held, and its figure is their median (the window's would still hold
         # samples from before the change).
-        n = min(cfg.severe_window, cfg.window)
+        n = cfg.severe_samples
         newest_t, newest_a = list(track.together)[-n:], list(track.apart)[-n:]
         severe_slow = track.fresh >= n and max(newest_t) < expected / cfg.severe_threshold
         severe_fast = track.fresh >= n and min(newest_a) > expected * cfg.severe_threshold
+        slow_median, fast_median = statistics.median(newest_t), statistics.median(newest_a)
         if track.state == "normal":
             # A change must show in every sample of the window, not just its median: a
             # receiver whose CPU quota stalls it stamps a minority of arrivals late (or early).
@@ -445,13 +446,11 @@ class LinkMonitor:
             track.down_streak = track.down_streak + 1 if slow else 0
             track.up_streak = track.up_streak + 1 if fast else 0
             if severe_slow:
-                median = statistics.median(newest_t)
-                split = self._enter_degraded(step, track, median, severe=True)
-                return [split, self._replan(step, track, median, "slower", severe=True)]
+                split = self._enter_degraded(step, track, slow_median, severe=True)
+                return [split, self._replan(step, track, slow_median, "slower", severe=True)]
             if severe_fast:
                 self._enter(track, "improved", step)
-                median = statistics.median(newest_a)
-                return [self._replan(step, track, median, "faster", severe=True)]
+                return [self._replan(step, track, fast_median, "faster", severe=True)]
             if track.down_streak >= cfg.react_after:
                 return [self._enter_degraded(step, track, together)]
             if track.up_streak >= cfg.react_after:
@@ -474,8 +473,7 @@ class LinkMonitor:
                     )
                 ]
             if not track.replanned and severe_slow:
-                median = statistics.median(newest_t)
-                return [self._replan(step, track, median, "slower", severe=True)]
+                return [self._replan(step, track, slow_median, "slower", severe=True)]
             return self._maybe_replan(step, track, together, "slower")
         # improved
         settled = apart < expected * cfg.fast_threshold
@@ -484,8 +482,7 @@ class LinkMonitor:
             self._enter(track, "normal", step)
             return []
         if not track.replanned and severe_fast:
-            median = statistics.median(newest_a)
-            return [self._replan(step, track, median, "faster", severe=True)]
+            return [self._replan(step, track, fast_median, "faster", severe=True)]
         return self._maybe_replan(step, track, apart, "faster")
 
     def _enter_degraded(
@@ -502,7 +499,7 @@ class LinkMonitor:
             "split",
             median,
             (
-                f"every one of the newest {min(cfg.severe_window, cfg.window)} samples < "
+                f"every one of the newest {cfg.severe_samples} samples < "
                 f"expected/{cfg.severe_threshold:g}, "
                 if severe
                 else f"every sample < expected/{cfg.slow_threshold:g} for {cfg.react_after} steps, "
@@ -525,7 +522,7 @@ class LinkMonitor:
         cfg = self.config
         track.replanned = True
         why = (
-            f"every one of the newest {min(cfg.severe_window, cfg.window)} samples {direction} "
+            f"every one of the newest {cfg.severe_samples} samples {direction} "
             f"than planned by more than {cfg.severe_threshold:g}x (severe_threshold)"
             if severe
             else f"link {direction} than planned for {step - track.since_step} steps "

@@ -138,6 +138,12 @@ class MonitorConfig:
                     f"value >= {minimum}"
                 )
 
+    @property
+    def severe_samples(self) -> int:
+        """How many of the newest samples a severe change is judged on: ``severe_window``, or
+        the whole ``window`` where that is smaller."""
+        return min(self.severe_window, self.window)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-serialisable copy."""
         return asdict(self)
