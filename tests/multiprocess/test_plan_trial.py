@@ -31,10 +31,6 @@ def _records(directory: Path) -> list[dict]:
     return [json.loads((directory / f"rank{r}_trial.json").read_text()) for r in range(WORLD)]
 
 
-def _layout(plan: dict) -> list:
-    return [[st["block_range"], st["ranks"]] for st in plan["stages"]]
-
-
 def test_the_trial_times_near_plans_and_training_stays_exact(tmp_path: Path) -> None:
     layout = [[[0], [0, 2]], [[1], [2, 3]], [[2], [3, 5]], [[3], [5, 6]]]
     configs = [
@@ -81,8 +77,10 @@ def test_the_trial_times_near_plans_and_training_stays_exact(tmp_path: Path) -> 
             assert record["rng_restored"] and record["grads_dropped"], record
             Plan.from_dict(record["trained"])
     rival = _records(tmp_path / "rival")[0]
-    # A second added to the searched plan's timing: a rival trains, on other block ranges.
-    assert _layout(rival["trained"]) != _layout(rival["searched"]), rival
+    # A second added to the searched plan's timing: a rival trains, on other block ranges or
+    # under another schedule or micro-batch count (rival_runs), whichever the clock found fastest.
+    trained, searched = Plan.from_dict(rival["trained"]), Plan.from_dict(rival["searched"])
+    assert trained.layout_key != searched.layout_key, rival
     assert "rival" in rival["trained"]["notes"], rival["trained"]["notes"]
     fewer = _records(tmp_path / "fewer")
     assert all(len(record["calls"]) == 2 for record in fewer), fewer
