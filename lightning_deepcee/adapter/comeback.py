@@ -160,9 +160,10 @@ class ComeBackWatch:
         return sorted(self.samples)
 
     def observe(self, rows: Iterable[Sequence[Any]]) -> None:
-        """``[src, dst, bytes, wire seconds]`` rows of one step; rows of other pairs are
-        ignored."""
-        for src, dst, num_bytes, seconds in rows:
+        """``[src, dst, bytes, wire seconds, ...]`` rows of one step (the exchange's); rows
+        of other pairs are ignored. The wire seconds as read: a link is back when its
+        pessimistic reading says so."""
+        for src, dst, num_bytes, seconds, *_ in rows:
             window = self.samples.get((int(src), int(dst)))
             if window is not None and float(seconds) > 0 and float(num_bytes) > 0:
                 window.append(float(num_bytes) / float(seconds))

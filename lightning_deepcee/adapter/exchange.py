@@ -2,7 +2,8 @@
 
 Each step every rank adds its figures into one vector that a single all-reduce sums (the
 Lightning shim, ``callback.py``, posts it and reads it a step later): per pair of the running
-plan the bytes and seconds on the wire this rank received, every rank's step time, number of
+plan the bytes and seconds on the wire this rank received (as read, and each transfer's less
+the stamps' error), every rank's step time, number of
 proposals, compute seconds and compute probe seconds (the come-back's, on a device it watches)
 in its own slot, and a flag the searcher raises when its re-plan search has finished. Every rank
 reads the same sums, so its monitors make the same proposals from them and it acts on them at
@@ -29,7 +30,8 @@ class Exchanged(NamedTuple):
 
     step: int
     rows: list[list[Any]]
-    """``[src, dst, bytes, wire seconds]`` per pair of the running plan with transfers."""
+    """``[src, dst, bytes, wire seconds, optimistic wire seconds]`` per pair of the running
+    plan with transfers (the last: each transfer's seconds less ``stamp_error_s``, at least 0)."""
     slowest_s: float
     """The slowest rank's step time."""
     anyone: bool
@@ -54,22 +56,26 @@ def pack(
     search_done: bool,
     compute_s: float = 0.0,
     probe_s: float = 0.0,
+    stamp_error_s: float = 0.0,
 ) -> list[float]:
     """This rank's part of the sum. Only received transfers of at least ``min_bytes`` with a
     wire time count: a receive's blocked time includes waiting for the sender's compute, which a
-    split shortens, while the payload's time on the wire is what the link delivers."""
+    split shortens, while the payload's time on the wire is what the link delivers. Each
+    transfer's time less ``stamp_error_s`` (at least 0) is summed too: a transfer is subtracted
+    one stamp error, not a step's sum of them."""
     index = {pair: i for i, pair in enumerate(pairs)}
-    num_pairs = len(index)
-    values = [0.0] * (2 * num_pairs + 4 * world + 1)
+    n = len(index)
+    values = [0.0] * (3 * n + 4 * world + 1)
     for r in records:
         i = index.get((r.peer, rank))
         if i is not None and r.direction == "recv" and r.wire_s and r.num_bytes >= min_bytes:
             values[i] += r.num_bytes
-            values[num_pairs + i] += r.wire_s
-    values[2 * num_pairs + rank] = step_s
-    values[2 * num_pairs + world + rank] = float(count)
-    values[2 * num_pairs + 2 * world + rank] = float(compute_s)
-    values[2 * num_pairs + 3 * world + rank] = float(probe_s)
+            values[n + i] += r.wire_s
+            values[2 * n + i] += max(r.wire_s - stamp_error_s, 0.0)
+    values[3 * n + rank] = step_s
+    values[3 * n + world + rank] = float(count)
+    values[3 * n + 2 * world + rank] = float(compute_s)
+    values[3 * n + 3 * world + rank] = float(probe_s)
     values[-1] = float(search_done)
     return values
 
@@ -77,11 +83,15 @@ def pack(
 def unpack(step: int, pairs: Sequence[tuple[int, int]], world: int, out: list[float]) -> Exchanged:
     """Read the summed vector of ``step``."""
     n = len(pairs)
-    rows = [[s, d, int(out[i]), out[n + i]] for i, (s, d) in enumerate(pairs) if out[i] > 0]
-    step_times = out[2 * n : 2 * n + world]
-    counts = out[2 * n + world : 2 * n + 2 * world]
-    compute = out[2 * n + 2 * world : 2 * n + 3 * world]
-    probe = out[2 * n + 3 * world : 2 * n + 4 * world]
+    rows = [
+        [s, d, int(out[i]), out[n + i], out[2 * n + i]]
+        for i, (s, d) in enumerate(pairs)
+        if out[i] > 0
+    ]
+    step_times = out[3 * n : 3 * n + world]
+    counts = out[3 * n + world : 3 * n + 2 * world]
+    compute = out[3 * n + 2 * world : 3 * n + 3 * world]
+    probe = out[3 * n + 3 * world : 3 * n + 4 * world]
     return Exchanged(
         step, rows, max(step_times), sum(counts) > 0, out[-1] > 0, tuple(compute), tuple(probe)
     )

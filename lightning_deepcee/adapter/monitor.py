@@ -12,9 +12,10 @@ groups). Roughly, per link and per step:
 1. the steps of the first ``warmup_steps`` are left out (start-up, first allocations, CPU-quota
    stalls before the pipeline runs in step);
 2. the step's transfers give one sample: per pair ``bytes`` and latency-corrected ``seconds``,
-   then ``sum(bytes) / max(seconds)`` over the pairs (the link's throughput if the pairs ran
-   together, the cost model's assumption) and ``sum(bytes) / sum(seconds)`` (if they ran one
-   after another); for a single pair both are ``bytes / seconds``;
+   then ``sum(bytes) / max(least seconds)`` over the pairs (the link's throughput if the pairs
+   ran together, the cost model's assumption, each transfer's time less the stamps' error,
+   ``stamp_error_s``) and ``sum(bytes) / sum(seconds)`` (if they ran one after another, the
+   time as read); for a single pair without a stamp error both are ``bytes / seconds``;
 3. the link's expectation is the plan's figure (the profile's bandwidth of the pair, or the
    capacity the pairs of a shared link share), lowered to a calibrated figure when that is
    lower: the ``calibration_quantile`` of the link's first ``calibration_steps`` samples;
@@ -228,22 +229,29 @@ class LinkMonitor:
             name = self._track_of.get(obs.link)
             if name is None or obs.num_bytes < self.config.min_bytes or obs.num_bytes <= 0:
                 continue
-            payload_s = obs.seconds - self._latency.get(obs.link, 0.0)
+            latency = self._latency.get(obs.link, 0.0)
+            payload_s = obs.seconds - latency
             if not math.isfinite(payload_s) or payload_s <= _MIN_PAYLOAD_FRACTION * obs.seconds:
                 continue
-            total = per_pair.setdefault(obs.link, [0.0, 0.0])
+            # The least the payload may have taken (the stamps' error off each transfer), and
+            # never below the same share of what was read as a payload must keep.
+            least = obs.seconds if obs.optimistic_seconds is None else obs.optimistic_seconds
+            least_s = max(min(least - latency, payload_s), _MIN_PAYLOAD_FRACTION * payload_s)
+            total = per_pair.setdefault(obs.link, [0.0, 0.0, 0.0])
             total[0] += obs.num_bytes
             total[1] += payload_s
-        per_track: dict[str, list[tuple[float, float]]] = {}
-        for link, (num_bytes, seconds) in per_pair.items():
-            per_track.setdefault(self._track_of[link], []).append((num_bytes, seconds))
+            total[2] += least_s
+        per_track: dict[str, list[list[float]]] = {}
+        for link, sums in per_pair.items():
+            per_track.setdefault(self._track_of[link], []).append(sums)
         decisions: list[Decision] = []
         for name in sorted(per_track):
             totals = per_track[name]
-            num_bytes = sum(b for b, _ in totals)
+            num_bytes = sum(t[0] for t in totals)
             track = self._tracks[name]
-            track.together.append(num_bytes / max(s for _, s in totals))
-            track.apart.append(num_bytes / sum(s for _, s in totals))
+            # Judged slow on the least time, faster on the time as read (step 2 above).
+            track.together.append(num_bytes / max(t[2] for t in totals))
+            track.apart.append(num_bytes / sum(t[1] for t in totals))
             track.fresh += 1
             if track.expected is None:
                 self._calibrate(track)

@@ -72,6 +72,13 @@ class MonitorConfig:
     min_bytes: int = 65536
     """Transfers smaller than this many bytes are ignored: their time is mostly latency and
     jitter, not bandwidth."""
+    stamp_error_s: float = 0.01
+    """Seconds a transfer's wire time may be read long by its stamps: the sender's payload can
+    leave an interpreter switch interval (5 ms) after its header, and the receiver's timer can
+    stamp it one switch late. Whether a link is slower than expected is judged on each
+    transfer's wire time less this (at least 0): a transfer of a millisecond or two, read at a
+    tenth of its link, is not taken for a slow link, while a link slow enough to matter still
+    is. Whether it is faster (and the come-back's judgement) uses the time as read."""
     max_split: int = 4
     """The most pieces a micro-batch may be split into on a degraded link."""
     warmup_steps: int = 5
@@ -93,6 +100,7 @@ class MonitorConfig:
             "fast_threshold",
             "severe_threshold",
             "calibration_quantile",
+            "stamp_error_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):
@@ -111,6 +119,11 @@ class MonitorConfig:
                 "MonitorConfig: expected severe_threshold >= slow_threshold (a severe change is "
                 f"a large one), got severe_threshold={self.severe_threshold}, "
                 f"slow_threshold={self.slow_threshold}; e.g. set severe_threshold=4"
+            )
+        if self.stamp_error_s < 0:
+            raise ValueError(
+                f"MonitorConfig.stamp_error_s: expected seconds >= 0, got {self.stamp_error_s}; "
+                "set stamp_error_s=0.01 (the default) or 0 to judge the wire time as read"
             )
         if not 0.0 <= self.calibration_quantile <= 1.0:
             raise ValueError(
@@ -180,13 +193,16 @@ class SharedLink:
 @dataclass(frozen=True, slots=True)
 class LinkObservation:
     """One completed transfer of ``num_bytes`` from rank ``src`` to rank ``dst`` that took
-    ``seconds`` (latency included), during training step ``step``."""
+    ``seconds`` (latency included), during training step ``step``; ``optimistic_seconds``: the
+    least it may have taken, each transfer's time less the stamps' error
+    (``MonitorConfig.stamp_error_s``), judged for a slow link (None: ``seconds``)."""
 
     step: int
     src: int
     dst: int
     num_bytes: int
     seconds: float
+    optimistic_seconds: float | None = None
 
     @property
     def link(self) -> Link:

@@ -96,6 +96,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         severe_threshold: float = 4.0,
         severe_window: int = 3,
         min_bytes: int = 65536,
+        stamp_error_s: float = 0.01,
         max_split: int = 4,
         warmup_steps: int = 5,
         calibration_steps: int = 10,
@@ -111,8 +112,8 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
             slow_threshold=slow_threshold, fast_threshold=fast_threshold, window=window,
             react_after=react_after, replan_after=replan_after,
             severe_threshold=severe_threshold, severe_window=severe_window, min_bytes=min_bytes,
-            max_split=max_split, warmup_steps=warmup_steps, calibration_steps=calibration_steps,
-            calibration_quantile=calibration_quantile,
+            stamp_error_s=stamp_error_s, max_split=max_split, warmup_steps=warmup_steps,
+            calibration_steps=calibration_steps, calibration_quantile=calibration_quantile,
         )  # fmt: skip
         for name, value in (("split_gain", split_gain), ("replan_gain", replan_gain)):
             if isinstance(value, bool) or not 0 <= value < 1:
@@ -206,7 +207,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         mine: list[dict[str, Any]] = []
         if landed is not None:
             check_agreement(landed, len(self._proposed))
-            observations = [LinkObservation(landed.step, s, d, b, t) for s, d, b, t in landed.rows]
+            observations = [LinkObservation(landed.step, *row) for row in landed.rows]
             mine = [d.to_dict() for d in self.monitor.observe(landed.step, observations)]
             mine += self._watch_compute(strategy, landed)
         search = self.replanner.search
@@ -272,7 +273,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
             pairs, records, rank=strategy.global_rank,
             world=strategy.world_size, min_bytes=self.config.min_bytes, step_s=step_s,
             count=count, search_done=search_done, compute_s=stats.compute_s if stats else 0.0,
-            probe_s=self.comeback.compute_sample(),
+            probe_s=self.comeback.compute_sample(), stamp_error_s=self.config.stamp_error_s,
         )  # fmt: skip
         summed = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
         work = torch.distributed.all_reduce(

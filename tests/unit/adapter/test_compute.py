@@ -150,16 +150,22 @@ def test_the_exchange_carries_every_ranks_compute_seconds() -> None:
     from lightning_deepcee.runtime.transport import TransferRecord
 
     pairs = [(0, 1), (1, 0)]
+    # Two transfers 1 -> 0: the stamps' error comes off each (the short one to 0), not the sum.
+    received = [
+        TransferRecord(1, 2**20, 0.5, "recv", 0.1),
+        TransferRecord(1, 2**20, 0.5, "recv", 0.004),
+    ]
     parts = [
-        pack(pairs, [TransferRecord(1, 2**20, 0.5, "recv", 0.1)] if rank == 0 else [],
-             rank=rank, world=2, min_bytes=1, step_s=1.0 + rank, count=rank, search_done=False,
-             compute_s=0.25 * (rank + 1), probe_s=0.0 if rank == 0 else 0.125)
+        pack(pairs, received if rank == 0 else [], rank=rank, world=2, min_bytes=1,
+             step_s=1.0 + rank, count=rank, search_done=False, compute_s=0.25 * (rank + 1),
+             probe_s=0.0 if rank == 0 else 0.125, stamp_error_s=0.01)
         for rank in range(2)
     ]  # fmt: skip
     summed = [a + b for a, b in zip(*parts, strict=True)]
     landed = unpack(7, pairs, 2, summed)
     assert landed.compute_s == (0.25, 0.5) and landed.probe_s == (0.0, 0.125)
-    assert landed.rows == [[1, 0, 2**20, 0.1]] and landed.slowest_s == 2.0 and landed.anyone
+    assert landed.rows == [[1, 0, 2**21, pytest.approx(0.104), pytest.approx(0.09)]]
+    assert landed.slowest_s == 2.0 and landed.anyone
 
 
 def test_a_device_waiting_for_a_slowed_one_is_not_read_as_faster() -> None:

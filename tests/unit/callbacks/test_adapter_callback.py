@@ -96,11 +96,11 @@ def test_one_all_reduce_carries_the_pairs_wire_time_step_time_and_proposals(
     class Work:
         def wait(self) -> None:  # the other ranks' parts arrive when the work completes
             waited.append(True)
-            tensor[8] += 0.7  # rank 0's step time (other ranks fill their own slots)
-            tensor[12] += 2.0  # rank 1 has two proposals
-            tensor[14] += 0.5  # rank 0's compute seconds
-            tensor[17] += 0.25  # rank 0's compute probe seconds
-            tensor[20] += 1.0  # rank 0's re-plan search is done
+            tensor[12] += 0.7  # rank 0's step time (other ranks fill their own slots)
+            tensor[16] += 2.0  # rank 1 has two proposals
+            tensor[18] += 0.5  # rank 0's compute seconds
+            tensor[21] += 0.25  # rank 0's compute probe seconds
+            tensor[24] += 1.0  # rank 0's re-plan search is done
 
     def all_reduce(t: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False):
         nonlocal tensor
@@ -114,13 +114,15 @@ def test_one_all_reduce_carries_the_pairs_wire_time_step_time_and_proposals(
     monkeypatch.setattr(torch.distributed, "new_group", lambda: "exchange-group")
     strategy.last_step_stats = StepStats(seconds_by_kind={"F": 0.125, "B": 0.25})
     land = adapter._exchange(strategy, 7, 0.4, 0, False)
-    # 4 pairs x (bytes, seconds), the step time, proposal count, compute and probe seconds of
-    # each of 3 ranks, and the flag of rank 0's search.
-    assert sent == [[2 << 20, 0, 0, 0, 0.75, 0, 0, 0, 0, 0, 0.4, 0, 0, 0, 0, 0, 0.375, 0, 0, 0, 0]]
+    # 4 pairs x (bytes, seconds, seconds less the stamps' error of 10 ms), the step time,
+    # proposal count, compute and probe seconds of each of 3 ranks, and rank 0's search flag.
+    pairs = [2 << 20, 0, 0, 0, 0.75, 0, 0, 0, 0.73, 0, 0, 0]
+    assert len(sent) == 1
+    assert sent[0] == pytest.approx([*pairs, 0, 0, 0.4, 0, 0, 0, 0, 0, 0.375, 0, 0, 0, 0])
     assert waited == []  # posted, not waited for: it lands at the next step
     landed = land()
     assert waited == [True]
-    assert landed.step == 7 and landed.rows == [[0, 2, 2 << 20, 0.75]]
+    assert landed.step == 7 and landed.rows == [[0, 2, 2 << 20, 0.75, pytest.approx(0.73)]]
     assert landed.slowest_s == 0.7 and landed.anyone and landed.search_done
     assert landed.compute_s == (0.5, 0.0, 0.375) and landed.probe_s == (0.25, 0.0, 0.0)
 
