@@ -62,7 +62,12 @@ CURRENT = (
 THROUGHPUT = ("cee6_gpt5m", "cee6_layout_check", "cee7_farend_gpt5m", "cee6_fastedge_gpt5m")
 """The headline rows: lab benchmarks whose systems ran interleaved in one invocation with a
 recorded date and commit (the older ``CURRENT`` files predate that and device choice)."""
-ADAPTER = ("adapter_cee6_tenth", "adapter_cee6_planned", "adapter_cee7_farend_planned")
+ADAPTER = (
+    "adapter_cee6_tenth",
+    "adapter_cee7_farend_tenth",
+    "adapter_cee6_planned",
+    "adapter_cee7_farend_planned",
+)
 """The adapter's headline rows: the planner's plan, the arms interleaved in one invocation."""
 ADAPTER_ORACLE = ("adapter_cee6_tenth",)
 """The rows with an oracle arm (the README's summary)."""
