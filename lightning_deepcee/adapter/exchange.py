@@ -3,11 +3,11 @@
 Each step every rank adds its figures into one vector that a single all-reduce sums (the
 Lightning shim, ``callback.py``, posts it and reads it a step later): per pair of the running
 plan the bytes and seconds on the wire this rank received (as read, and each transfer's less
-the stamps' error), every rank's step time, number of
-proposals, compute seconds and compute probe seconds (the come-back's, on a device it watches)
-in its own slot, and a flag the searcher raises when its re-plan search has finished. Every rank
-reads the same sums, so its monitors make the same proposals from them and it acts on them at
-once; the proposal counts check that (:func:`check_agreement`).
+the stamps' error), every rank's step time, number of proposals, compute seconds and compute
+probe seconds (the come-back's, on a device it watches) in its own slot, and a flag the
+searcher raises when its re-plan search has finished. Every rank reads the same sums, so its
+monitors make the same proposals from them and it acts on them at once; the proposal counts
+check that (:func:`check_agreement`).
 """
 
 from __future__ import annotations

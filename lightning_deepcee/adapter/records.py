@@ -76,9 +76,9 @@ class MonitorConfig:
     """Seconds a transfer's wire time may be read long by its stamps: the sender's payload can
     leave an interpreter switch interval (5 ms) after its header, and the receiver's timer can
     stamp it one switch late. Whether a link is slower than expected is judged on each
-    transfer's wire time less this (at least 0): a transfer of a millisecond or two, read at a
-    tenth of its link, is not taken for a slow link, while a link slow enough to matter still
-    is. Whether it is faster (and the come-back's judgement) uses the time as read."""
+    transfer's wire time less this (at least 0): a transfer of a millisecond or two read late
+    by up to this is not taken for a slow link, while a link slow enough to matter still is.
+    Whether it is faster (and the come-back's judgement) uses the time as read."""
     max_split: int = 4
     """The most pieces a micro-batch may be split into on a degraded link."""
     warmup_steps: int = 5
