@@ -228,7 +228,8 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         if mine:
             self._decide(trainer, strategy, mine, stale=monitor is not self.monitor)
         self.comeback.observe(landed.rows, landed.probe_s)
-        if self.comeback.due() and self.guard.pending is None and self.replanner.search is None:
+        if self.comeback.due() and self.guard.pending is None:
+            self.replanner.drop(trainer, "the come-back is due and goes first")
             self.comeback.come_back(trainer, strategy, self)
         if self._changes != changes:
             self._forget_exchange()  # its figures and proposals are of the configuration left

@@ -251,6 +251,17 @@ class Replanner:
         self.search = None
         self.ahead.pause()
 
+    def drop(self, trainer: pl.Trainer, why: str) -> None:
+        """On every rank at the same step: abandon the search in flight, if any, and log its
+        proposals dropped (a come-back is due: it goes to a plan known good on this network, and
+        the links are judged afresh from there). The search ahead goes on."""
+        search, self.search = self.search, None
+        if search is None:
+            return
+        if search.job is not None:
+            search.job.cancel()
+        self.record(trainer, search.replans, "dropped", why)
+
     def finish(self, trainer: pl.Trainer, strategy: AdaptableStrategy) -> None:
         """The searcher's search is done: take its outcome on every rank; move if it pays, the
         configuration it was searched for is still the one running and no figure it planned on

@@ -188,6 +188,7 @@ def run_adapter(
     profile: ClusterProfile | None = PROFILE,
     compute: Callable[[int], list[float]] = lambda step: [],
     probe: Callable[[int], list[float]] = lambda step: [],
+    each_step: Callable[[int, DynamicEnvironmentAdapter], None] = lambda step, adapter: None,
     **adapter_args: Any,
 ) -> Run:
     """Train ``steps`` steps; at each the WAN runs at ``wan(step)`` of the profile (``wan_back``:
@@ -195,7 +196,8 @@ def run_adapter(
     half), the receivers stamp their arrivals ``wire`` times as fast as that, and the step takes
     ``world(..., the slower direction)`` times +-``noise``; ``compute(step)`` is every rank's
     compute seconds of the step (none by default), ``probe(step)`` every rank's compute probe
-    seconds. The probes of links a re-plan left
+    seconds; ``each_step(step, adapter)`` runs before each step's end (a test's hand on the
+    adapter's state). The probes of links a re-plan left
     (``adapter.comeback.pairs``) report one message per step at the link's rate."""
     rng = np.random.default_rng(seed)
     strategy = WorldStrategy(profile)
@@ -237,6 +239,7 @@ def run_adapter(
             return lambda: Exchanged(step, r, t, count > 0, done, c, p)  # lands at the next step
 
         monkeypatch.setattr(adapter, "_exchange", exchange)
+        each_step(step, adapter)
         adapter.on_train_batch_end(trainer, None, None, None, 0)
         microbatches.append(strategy.num_microbatches)
     return Run(adapter, strategy, microbatches)

@@ -21,6 +21,7 @@ from lightning_deepcee.adapter.contingency import choose_contingency
 from lightning_deepcee.adapter.gate import with_microbatches
 from lightning_deepcee.adapter.replan import LinkFigure, observed_profile
 from lightning_deepcee.callbacks.contingency import Contingencies
+from lightning_deepcee.callbacks.replanner import SearchInFlight
 from lightning_deepcee.planner import predict_plan
 from lightning_deepcee.profiler import ClusterProfile
 from tests.helpers.adapter_world import WAN, profile_at, run_adapter, world_plan, world_profile
@@ -193,6 +194,47 @@ def test_after_a_severe_drop_the_adapter_returns_once_the_link_is_back(
     assert [d["action"] for d in run.kinds("confirmed")] == ["replan", "return"]
     assert run.adapter.comeback.pairs == [] and run.adapter.replanner.replanned is None
     assert moved["step"] < back["step"]
+
+
+class _Stuck:
+    """A re-plan search that never finishes; it knows whether it was cancelled."""
+
+    cancelled = False
+
+    def done(self) -> bool:
+        return False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_a_return_that_is_due_does_not_wait_for_a_search_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A search begun after the move (here: one that never ends, put in flight at step 100) is
+    dropped when the link is back, and the return comes at the same step as without it."""
+    _ahead_is_solo(monkeypatch)
+    stuck = _Stuck()
+
+    def search_in_flight(step: int, adapter: Any) -> None:
+        if step == 100:
+            assert adapter.replanner.search is None and adapter.comeback.pairs
+            adapter.replanner.search = SearchInFlight(
+                step=step, replans=[FORWARD], resplits=[], observed=world_profile(FAST),
+                changes={}, configuration=adapter.configuration, clocked=False, searcher=0,
+                job=stuck,
+            )  # fmt: skip
+
+    run = run_adapter(
+        monkeypatch, 200, _cut, _fast_world, profile=world_profile(FAST),
+        each_step=search_in_flight,
+    )  # fmt: skip
+    (back,) = run.kinds("return-applied")
+    assert back["step"] == 120 + 3  # as in the test above
+    (dropped,) = run.kinds("replan-dropped")
+    assert dropped["step"] == back["step"] and "come-back" in dropped["reason"]
+    assert stuck.cancelled and run.adapter.replanner.search is None
+    assert run.strategy.moves == [SOLO, world_plan()]
 
 
 def test_no_return_while_the_link_stays_down(monkeypatch: pytest.MonkeyPatch) -> None:
