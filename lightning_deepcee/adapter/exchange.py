@@ -23,6 +23,7 @@ class _Received(Protocol):
     num_bytes: int
     direction: str
     wire_s: float | None
+    stall_s: float
 
 
 class Exchanged(NamedTuple):
@@ -31,7 +32,8 @@ class Exchanged(NamedTuple):
     step: int
     rows: list[list[Any]]
     """``[src, dst, bytes, wire seconds, optimistic wire seconds]`` per pair of the running
-    plan with transfers (the last: each transfer's seconds less ``stamp_error_s``, at least 0)."""
+    plan with transfers (the last: each transfer's seconds less ``stamp_error_s`` and less the
+    receiver's wait for a CPU in them, at least 0)."""
     slowest_s: float
     """The slowest rank's step time."""
     anyone: bool
@@ -61,7 +63,8 @@ def pack(
     """This rank's part of the sum. Only received transfers of at least ``min_bytes`` with a
     wire time count: a receive's blocked time includes waiting for the sender's compute, which a
     split shortens, while the payload's time on the wire is what the link delivers. Each
-    transfer's time less ``stamp_error_s`` (at least 0) is summed too: a transfer is subtracted
+    transfer's time less ``stamp_error_s`` and less its ``stall_s`` (the receiving side's wait
+    for a CPU, which made its stamp late; at least 0) is summed too: a transfer is subtracted
     one stamp error, not a step's sum of them."""
     index = {pair: i for i, pair in enumerate(pairs)}
     n = len(index)
@@ -71,7 +74,7 @@ def pack(
         if i is not None and r.direction == "recv" and r.wire_s and r.num_bytes >= min_bytes:
             values[i] += r.num_bytes
             values[n + i] += r.wire_s
-            values[2 * n + i] += max(r.wire_s - stamp_error_s, 0.0)
+            values[2 * n + i] += max(r.wire_s - stamp_error_s - r.stall_s, 0.0)
     values[3 * n + rank] = step_s
     values[3 * n + world + rank] = float(count)
     values[3 * n + 2 * world + rank] = float(compute_s)

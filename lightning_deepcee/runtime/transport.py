@@ -29,6 +29,9 @@ completed; ``wire_s`` is the difference, the payload's time on the link, as with
 ahead. The main thread waits on the timer's event, never on the receive itself (a gloo receive
 may be waited on once). The timers sleep inside ``Work.wait`` without the GIL; a stamp can be
 late by the interpreter's switch interval (5 ms), which matters only for sub-10 ms transfers.
+On a device short of CPU a stamp can be later still, by as long as the timer or gloo's I/O
+thread waited to run; each record carries that wait (``stall_s``,
+:mod:`~lightning_deepcee.runtime.stalls`).
 
 **Compression.** A float32 tensor sent to a peer listed in ``compression`` travels as the
 method's wire bytes (:mod:`~lightning_deepcee.runtime.compression`), encoded where the tensor is
@@ -58,6 +61,7 @@ import torch.distributed as dist
 from lightning_deepcee.planner.compression import METHODS, CompressionMethod
 from lightning_deepcee.runtime.background import start_thread
 from lightning_deepcee.runtime.compression import BY_CODE, decode, encode, encodes
+from lightning_deepcee.runtime.stalls import StallReading, process_clock, stalled
 
 __all__ = [
     "MAX_DIMS",
@@ -182,6 +186,10 @@ class TransferRecord:
     both back to back, so this is the payload's time on the link, without the wait for the
     sender to reach its send. What link monitoring should read. For a payload received ahead
     the arrivals are stamped by the step's timer thread (see the module docstring)."""
+    stall_s: float = 0.0
+    """Receives only: seconds of ``wire_s`` that the stamping thread or gloo's I/O threads
+    waited for a CPU (:func:`~lightning_deepcee.runtime.stalls.stalled`): ``wire_s`` less it is
+    a lower bound of the payload's time on the link."""
 
 
 @dataclass
@@ -189,7 +197,8 @@ class _Posted:
     """A receive posted at the start of the step: its header and its payload slot.
 
     The source's timer thread waits on both works, stamps their completion (``header_at``,
-    ``slot_at``, ``time.perf_counter``) and sets ``done``; a failure is kept in ``error``.
+    ``slot_at``, ``time.perf_counter``) with the receiving side's wait for a CPU between them
+    (``stall_s``) and sets ``done``; a failure is kept in ``error``.
     """
 
     header: torch.Tensor
@@ -200,7 +209,13 @@ class _Posted:
     done: threading.Event = field(default_factory=threading.Event)
     header_at: float | None = None
     slot_at: float | None = None
+    stall_s: float = 0.0
     error: BaseException | None = None
+
+
+def _stall_since(before: StallReading) -> float:
+    """The receiving side's wait for a CPU since ``before`` (read on this thread)."""
+    return stalled(before, process_clock().read())
 
 
 def _stamp_arrivals(posted: Sequence[_Posted]) -> None:
@@ -209,14 +224,17 @@ def _stamp_arrivals(posted: Sequence[_Posted]) -> None:
     After a failure the rest of the entries get the same error (the pair is broken).
     """
     error: BaseException | None = None
+    clock = process_clock()
     for entry in posted:
         if error is None:
             try:
                 entry.header_work.wait()
                 entry.header_at = time.perf_counter()
                 if entry.slot_work is not None:
+                    before = clock.read()
                     entry.slot_work.wait()
                     entry.slot_at = time.perf_counter()
+                    entry.stall_s = stalled(before, clock.read())
             except BaseException as exc:  # handed to the main thread, which re-raises it
                 error = exc
         entry.error = error
@@ -276,6 +294,7 @@ class P2PTransport:
         self._counts.clear()
         self._posted.clear()
         self._announced = set(sources)
+        process_clock().refresh()  # gloo's I/O threads, whose waits for a CPU delay the stamps
         if not post or not self.prefetch or dist.get_backend(self.group) != dist.Backend.GLOO:
             self._step = None
             return
@@ -347,11 +366,11 @@ class P2PTransport:
         start = time.perf_counter()
         try:
             if self._slotted() and src in self._announced:
-                buf, header, wire_s = self._take_posted(src)
+                buf, header, wire_s, stall_s = self._take_posted(src)
             elif self._slotted():
-                buf, header, wire_s = self._receive_unannounced(src)
+                buf, header, wire_s, stall_s = self._receive_unannounced(src)
             else:
-                buf, header, wire_s = self._receive(src)
+                buf, header, wire_s, stall_s = self._receive(src)
         except RuntimeError as exc:
             raise PeerLostError(
                 src,
@@ -360,23 +379,26 @@ class P2PTransport:
             ) from exc
         done = time.perf_counter()
         # wire_s: from the header's arrival to the payload's (sent back to back).
-        self.records.append(TransferRecord(src, buf.numel(), done - start, "recv", wire_s))
+        self.records.append(
+            TransferRecord(src, buf.numel(), done - start, "recv", wire_s, min(stall_s, wire_s))
+        )
         return _unpack(buf.to(self.device), *_parse(header))
 
-    def _receive(self, src: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Receive header then payload now: the payload's bytes, the header and the payload's
-        seconds on the wire."""
+    def _receive(self, src: int) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        """Receive header then payload now: the payload's bytes, the header, the payload's
+        seconds on the wire and the wait for a CPU in them."""
         wire = self._wire_device()
         header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=wire)
         dist.recv(header, src, group=self.group, tag=_HEADER_TAG)
-        arrived = time.perf_counter()
+        arrived, before = time.perf_counter(), process_clock().read()
         dtype, shape, method = _parse(header)
         if method.code:
             buf = torch.empty(method.wire_bytes(math.prod(shape)), dtype=torch.uint8, device=wire)
         else:  # typed as sent: NCCL matches a send and its receive by dtype and count
             buf = torch.empty(shape, dtype=dtype, device=wire)
         dist.recv(buf, src, group=self.group, tag=_REST_TAG)
-        return buf.reshape(-1).view(torch.uint8), header, time.perf_counter() - arrived
+        wire_s = time.perf_counter() - arrived
+        return buf.reshape(-1).view(torch.uint8), header, wire_s, _stall_since(before)
 
     def _post(self, src: int) -> _Posted:
         """Post the next message from ``src``: its header and, when the same message of the last
@@ -392,7 +414,7 @@ class P2PTransport:
             slot_work = dist.irecv(slot, src, group=self.group, tag=_SLOT_TAG)
         return _Posted(header, header_work, slot, slot_work, key)
 
-    def _receive_unannounced(self, src: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def _receive_unannounced(self, src: int) -> tuple[torch.Tensor, torch.Tensor, float, float]:
         """A message from a source the step did not announce: the sender may still use a slot
         (from an earlier step's size), so it is received as a posted one would be, now."""
         entry = self._post(src)
@@ -400,9 +422,9 @@ class P2PTransport:
         self._posted.setdefault(src, deque()).append(entry)
         return self._take_posted(src)
 
-    def _take_posted(self, src: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Take the next posted receive from ``src``: the payload's bytes, the header and the
-        payload's seconds on the wire."""
+    def _take_posted(self, src: int) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        """Take the next posted receive from ``src``: the payload's bytes, the header, the
+        payload's seconds on the wire and the wait for a CPU in them."""
         queue_ = self._posted.get(src)
         if not queue_:
             raise RuntimeError(f"a receive from rank {src} that the step did not announce")
@@ -417,16 +439,17 @@ class P2PTransport:
         if slot is not None and size <= slot.numel():
             assert posted.slot_at is not None
             # A padded slot carried slot.numel() bytes: scale to the payload's share of them.
-            wire_s = (posted.slot_at - posted.header_at) * size / slot.numel()
-            return slot[:size], posted.header, wire_s
+            share = size / slot.numel()
+            wire_s = (posted.slot_at - posted.header_at) * share
+            return slot[:size], posted.header, wire_s, posted.stall_s * share
         # No slot, or the payload outgrew it: the rest is received now, and timed from here
         # (its rendezvous included, as without receiving ahead).
         rest = torch.empty(size - (0 if slot is None else slot.numel()), dtype=torch.uint8)
         rest = rest.to(self._wire_device())
-        posted_at = time.perf_counter()
+        posted_at, before = time.perf_counter(), process_clock().read()
         dist.recv(rest, src, group=self.group, tag=_REST_TAG)
         raw = rest if slot is None else torch.cat([slot, rest])
-        return raw, posted.header, time.perf_counter() - posted_at
+        return raw, posted.header, time.perf_counter() - posted_at, _stall_since(before)
 
     def wait_sends(self) -> float:
         """Wait for every outstanding send; returns the seconds spent waiting."""
