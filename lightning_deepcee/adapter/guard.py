@@ -121,6 +121,13 @@ class ActionGuard:
         """Median step time of the last ``window`` steps measured (``None`` before any)."""
         return statistics.median(self._history) if self._history else None
 
+    def newest_s(self, n: int) -> float | None:
+        """Median of the newest ``n`` steps measured, with no action pending (``None`` with
+        fewer): the network as it is now, after a change every one of them shows."""
+        if self._pending is not None or n < 1 or len(self._history) < n:
+            return None
+        return statistics.median(list(self._history)[-n:])
+
     @property
     def steady_s(self) -> float | None:
         """The baseline once it spans a whole window with no action pending, else ``None``."""

@@ -537,7 +537,7 @@ class LinkMonitor:
             f"(replan_after={cfg.replan_after})"
         )
         return self._decision(
-            step, track, "replan", median, f"{why}; re-plan with the measured bandwidth"
+            step, track, "replan", median, f"{why}; re-plan with the measured bandwidth", severe
         )
 
     @staticmethod
@@ -551,7 +551,12 @@ class LinkMonitor:
 
     @staticmethod
     def _decision(
-        step: int, track: _Track, kind: DecisionKind, median: float, reason: str
+        step: int,
+        track: _Track,
+        kind: DecisionKind,
+        median: float,
+        reason: str,
+        severe: bool = False,
     ) -> Decision:
         assert track.expected is not None
         return Decision(
@@ -564,6 +569,7 @@ class LinkMonitor:
             reason=reason,
             pairs=track.pairs,
             name=track.name,
+            severe=severe,
         )
 
 

@@ -268,6 +268,9 @@ class Decision:
     """Every pair of the link (``(link,)`` unless it is a :class:`SharedLink`)."""
     name: str = ""
     """The link's name (``src->dst`` for a single pair)."""
+    severe: bool = False
+    """A severe change: every one of the newest ``severe_window`` samples shows it, so the
+    newest steps are the network as it is now."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "link", as_link(self.link))
@@ -288,6 +291,7 @@ class Decision:
             "reason": self.reason,
             "pairs": [list(p) for p in self.pairs],
             "name": self.name,
+            "severe": self.severe,
         }
 
     def __str__(self) -> str:

@@ -348,11 +348,12 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
     ) -> None:
         replans = [d for d in proposals if d["kind"] == "replan"]
         resplits = [d for d in proposals if d["kind"] in ("split", "merge")]
-        search = self.replanner.search
-        if replans and search is not None:
-            why = f"a re-plan search begun at step {search.step} is running"
-            self.replanner.record(trainer, replans, "skipped", why)
-        elif replans:
+        if replans:
+            # A search in flight planned for the network before this change: the new one plans
+            # for every figure the monitors hold now, that search's change included.
+            self.replanner.drop(
+                trainer, f"a newer change ({replans[0].get('name', 'a link')}) supersedes it"
+            )
             self.replanner.start(trainer, strategy, replans, resplits)
             return  # the split proposals wait for the search: a new plan would replace them
         if resplits:

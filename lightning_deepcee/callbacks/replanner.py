@@ -202,7 +202,8 @@ class Replanner:
         current = host.plan_at(strategy, host.split_state.split)
         gain = host.replan_gain
         predicted_s = predict_plan(observed, current).step_time_s
-        clocked = self.clocked_step(strategy)
+        severe = any(d.get("severe") for d in replans)  # the newest steps are the network now
+        clocked = self.clocked_step(strategy, host.config.severe_samples if severe else None)
         current_s = predicted_s if clocked is None else clocked[0]
         running = (
             f"the running plan is predicted {predicted_s * 1e3:.1f} ms on the links as measured"
@@ -474,17 +475,24 @@ class Replanner:
             self.clock[key] = [float(candidate.measured_s), float(candidate.predicted_s)]
             self.clock_candidate = None
 
-    def clocked_step(self, strategy: AdaptableStrategy) -> tuple[float, float] | None:
+    def clocked_step(
+        self, strategy: AdaptableStrategy, newest: int | None = None
+    ) -> tuple[float, float] | None:
         """The running configuration's step now, by the clock: ``(on the model's scale,
         measured)``.
 
-        The guard's median over its last whole window, times predicted / measured of the
-        configuration's reference (:meth:`note_clock`). The model can be wrong about how much a
-        slower link costs (overlap it assumes, a receiver's CPU quota it does not see); the
-        clock is not, and on the model's scale the figure compares with the model's predictions
-        of other plans. ``None`` without a reference or a whole window."""
+        The guard's median over its last whole window (``newest``: over its newest ``newest``
+        steps, where a severe change shows in every one of them while the window still holds
+        steps from before it), times predicted / measured of the configuration's reference
+        (:meth:`note_clock`). The model can be wrong about how much a slower link costs (overlap
+        it assumes, a receiver's CPU quota it does not see); the clock is not, and on the
+        model's scale the figure compares with the model's predictions of other plans. ``None``
+        without a reference or a whole window."""
         reference = self.clock.get(self._clock_key(strategy))
-        measured = self.host.guard.steady_s
+        guard = self.host.guard
+        measured = guard.steady_s
+        if measured is not None and newest is not None:
+            measured = guard.newest_s(newest) or measured
         if reference is None or measured is None:
             return None
         return measured * reference[1] / reference[0], measured

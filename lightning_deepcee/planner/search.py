@@ -240,6 +240,10 @@ def plan_search(
     best_zone = min((z for z in zones if z in scored), key=scored.__getitem__, default=None)
     if best_zone is not None and best_zone not in finalists:
         finalists.append(best_zone)  # the answer is never slower than the best zone alone
+    if not large and everyone not in finalists:
+        # The quick search (one schedule, a beam of one) can rank every device below a subset
+        # that a full search over every device, baselines included, beats.
+        finalists.append(everyone)
     full: dict[tuple[int, ...], Plan] = {}
     others: dict[tuple[int, ...], list[Plan]] = {}
     for ranks in finalists:

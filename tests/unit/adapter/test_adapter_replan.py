@@ -238,9 +238,14 @@ def test_a_replan_decision_reaches_the_slow_response() -> None:
     assert job is not None
     outcome = job.result()
     assert job.done() and outcome["current_step_time_s"] > 0
-    # A second proposal while it runs starts no second search.
+    # A second proposal while it runs supersedes it: that search is dropped, a new one begins
+    # (it plans for every figure the monitors hold, the first change's included).
     adapter._decide(trainer, strategy, [_replan_decision()])
-    assert adapter.replanner.search is search and adapter.decisions[-1]["kind"] == "replan-skipped"
+    again = adapter.replanner.search
+    assert again is not None and again is not search and again.job is not job
+    assert [d["kind"] for d in adapter.decisions[-2:]] == ["replan-dropped", "replan-search"]
+    assert "supersedes" in adapter.decisions[-2]["reason"]
+    assert again.job.result()["current_step_time_s"] > 0
     adapter.replanner.finish(trainer, strategy)
     assert adapter.replanner.search is None
     assert adapter.decisions[-1]["kind"] in ("replan-applied", "replan-kept")

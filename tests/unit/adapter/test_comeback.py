@@ -237,6 +237,46 @@ def test_a_return_that_is_due_does_not_wait_for_a_search_in_flight(
     assert run.strategy.moves == [SOLO, world_plan()]
 
 
+def test_a_severe_drop_while_a_search_runs_supersedes_it_and_moves_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A search for an earlier change (one that never ends, put in flight at step 50) must not
+    hold back the cut at step 60: it is dropped and the plan searched ahead is taken."""
+    _ahead_is_solo(monkeypatch)
+    stuck = _Stuck()
+
+    def search_in_flight(step: int, adapter: Any) -> None:
+        if step == 50:
+            adapter.replanner.search = SearchInFlight(
+                step=step, replans=[FORWARD], resplits=[], observed=world_profile(FAST),
+                changes={}, configuration=adapter.configuration, clocked=False, searcher=0,
+                job=stuck,
+            )  # fmt: skip
+
+    run = run_adapter(
+        monkeypatch, 100, _cut, _fast_world, profile=world_profile(FAST),
+        each_step=search_in_flight,
+    )  # fmt: skip
+    (dropped,) = run.kinds("replan-dropped")
+    (moved,) = run.kinds("replan-applied")
+    assert 60 < dropped["step"] == moved["step"] and "supersedes" in dropped["reason"]
+    assert stuck.cancelled and run.kinds("replan-skipped") == []
+    assert run.strategy.moves == [SOLO]
+
+
+def test_a_severe_drop_is_judged_on_the_steps_since_it_began(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At the severe proposal the guard's window still holds steps from before the cut: the
+    running plan's step is taken from the newest ``severe_samples`` steps, all on the cut link
+    (here the world runs as the model predicts, so the figure is the prediction there)."""
+    _ahead_is_solo(monkeypatch)
+    run = run_adapter(monkeypatch, 80, _cut, _fast_world, profile=world_profile(FAST))
+    (moved,) = run.kinds("replan-applied")
+    cut_s = predict_plan(_fast_at(0.05), world_plan()).step_time_s
+    assert moved["current_step_time_s"] == pytest.approx(cut_s, rel=0.06)
+
+
 def test_no_return_while_the_link_stays_down(monkeypatch: pytest.MonkeyPatch) -> None:
     _ahead_is_solo(monkeypatch)
     run = run_adapter(

@@ -96,6 +96,9 @@ def test_example_cee6_uses_the_three_regions() -> None:
     global_batch_size=st.sampled_from([8, 16, 32]),
 )
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(
+    seed=38886, num_devices=5, num_blocks=8, global_batch_size=16
+)  # every device: quick-ranked last
 def test_never_worse_than_baselines(
     seed: int, num_devices: int, num_blocks: int, global_batch_size: int
 ) -> None:
