@@ -41,6 +41,7 @@ __all__ = [
     "choose_replan",
     "figure_from_decision",
     "figures_from_decision",
+    "hopeless_search",
     "link_figures",
     "observed_profile",
     "placement_key",
@@ -327,3 +328,32 @@ def choose_replan(
     return ReplanChoice(
         apply=apply, current_step_time_s=current_s, new_step_time_s=new_s, plan=new, reason=reason
     )
+
+
+def hopeless_search(
+    changes: dict[Any, tuple[float, float]],
+    current_s: float,
+    floor_s: float | None,
+    gain: float,
+    running: str,
+) -> str | None:
+    """Why no search can find a plan worth moving to, or None.
+
+    The links as measured change no figure of the profile (a link that rose back to its setup
+    figure, where rises are capped): the search would find the running plan again. Or the
+    running plan's step ``current_s`` (described by ``running``) is within the margin of
+    ``floor_s``, the step time of the plan the planner chose for the links as measured at
+    setup: rises are capped at those figures, and a slower link never makes a plan faster, so
+    no plan on the links as they are now can beat it.
+    """
+    if all(abs(new - old) <= 0.01 * old for old, new in changes.values()):
+        return (
+            "the links as measured change no figure of the profile (a rise is capped at the "
+            "figure measured at setup), so a search would find the running plan again"
+        )
+    if floor_s is not None and floor_s >= current_s * (1 - gain):
+        return (
+            f"no plan can gain the margin {gain:.0%}: {running}, and no plan beats the "
+            f"{floor_s * 1e3:.1f} ms of setup's plan on the links as measured at setup"
+        )
+    return None

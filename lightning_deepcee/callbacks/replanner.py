@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_deepcee.adapter.replan import placement_key, profile_drift
+from lightning_deepcee.adapter.replan import hopeless_search, placement_key, profile_drift
 from lightning_deepcee.adapter.search_process import SearchProcess
 from lightning_deepcee.callbacks.contingency import Contingencies
 
@@ -194,7 +194,8 @@ class Replanner:
         """Begin the search for a plan on the links as measured, in a child process on the
         searcher (:func:`searcher`), so that training goes on meanwhile; :meth:`finish` takes
         its outcome on every rank at the step after the searcher says it is done. No search
-        starts when none can pay (:func:`_hopeless`)."""
+        starts when none can pay
+        (:func:`~lightning_deepcee.adapter.replan.hopeless_search`)."""
         from lightning_deepcee.planner.cost_model import predict_plan
 
         host = self.host
@@ -212,7 +213,7 @@ class Replanner:
             f"(measured {clocked[1] * 1e3:.1f} ms; the model predicts {predicted_s * 1e3:.1f} ms "
             "on the links as measured)"
         )
-        why = _hopeless(changes, current_s, self.floor_s, gain, running)
+        why = hopeless_search(changes, current_s, self.floor_s, gain, running)
         if why is not None:
             self.record(trainer, replans, "kept", why)
             if resplits:
@@ -536,35 +537,6 @@ def _log_choice(trainer: pl.Trainer, choice: Any) -> None:
         if new_s is not None:
             metrics["deepcee/adapter_replan_new_ms"] = new_s * 1e3
         logger.log_metrics(metrics, step=trainer.global_step)
-
-
-def _hopeless(
-    changes: dict[Any, tuple[float, float]],
-    current_s: float,
-    floor_s: float | None,
-    gain: float,
-    running: str,
-) -> str | None:
-    """Why no search can find a plan worth moving to, or None.
-
-    The links as measured change no figure of the profile (a link that rose back to its setup
-    figure, where rises are capped): the search would find the running plan again. Or the
-    running plan's step ``current_s`` (described by ``running``) is within the margin of
-    ``floor_s``, the step time of the plan the planner chose for the links as measured at
-    setup: rises are capped at those figures, and a slower link never makes a plan faster, so
-    no plan on the links as they are now can beat it.
-    """
-    if all(abs(new - old) <= 0.01 * old for old, new in changes.values()):
-        return (
-            "the links as measured change no figure of the profile (a rise is capped at the "
-            "figure measured at setup), so a search would find the running plan again"
-        )
-    if floor_s is not None and floor_s >= current_s * (1 - gain):
-        return (
-            f"no plan can gain the margin {gain:.0%}: {running}, and no plan beats the "
-            f"{floor_s * 1e3:.1f} ms of setup's plan on the links as measured at setup"
-        )
-    return None
 
 
 def _pacing(share: float) -> dict[str, Any]:
