@@ -255,8 +255,9 @@ class Replanner:
 
     def drop(self, trainer: pl.Trainer, why: str) -> None:
         """On every rank at the same step: abandon the search in flight, if any, and log its
-        proposals dropped (a come-back is due: it goes to a plan known good on this network, and
-        the links are judged afresh from there). The search ahead goes on."""
+        proposals dropped, ``why``: a come-back is due (it goes to a plan known good on this
+        network, and the links are judged afresh from there), or a newer change supersedes it
+        (the next search plans for every figure the monitors hold). The search ahead goes on."""
         search, self.search = self.search, None
         if search is None:
             return
