@@ -135,10 +135,19 @@ class ActionGuard:
             return None
         return statistics.median(self._history)
 
-    def begin(self, step: int, action: Mapping[str, Any], *, towards_plan: bool) -> None:
+    def begin(
+        self,
+        step: int,
+        action: Mapping[str, Any],
+        *,
+        towards_plan: bool,
+        newest: int | None = None,
+    ) -> None:
         """``action`` was applied at the end of ``step``; judge it after ``settle + window``
-        steps against the steps before it. ``towards_plan``: the action returns towards the
-        plan's own configuration (kept unless measurably slower)."""
+        steps against the steps before it (``newest``: against the newest ``newest`` of them, for
+        a change every one of them shows while the window still holds steps from before it).
+        ``towards_plan``: the action returns towards the plan's own configuration (kept unless
+        measurably slower)."""
         if self._pending is not None:
             raise RuntimeError(
                 "ActionGuard.begin: an action is already waiting for its verdict "
@@ -146,7 +155,7 @@ class ActionGuard:
             )
         self._pending = {
             "action": {**dict(action), "step": step},
-            "before_s": self.baseline_s,
+            "before_s": (newest and self.newest_s(newest)) or self.baseline_s,
             "towards_plan": bool(towards_plan),
         }
         self._after = []

@@ -334,9 +334,11 @@ class Replanner:
         host.split_state.split, host.split_state.base_microbatches = 1, strategy.num_microbatches
         host.new_monitor(strategy)
         host.moved_away(strategy, previous, search.replans)
+        severe = any(d.get("severe") for d in search.replans)  # judged on the steps since
         host.guard.begin(
-            step, {"kind": "replan", "previous": previous, "key": key}, towards_plan=False
-        )
+            step, {"kind": "replan", "previous": previous, "key": key}, towards_plan=False,
+            newest=host.config.severe_samples if severe else None,
+        )  # fmt: skip
         why = f"{choice.reason}; {figures_line}"
         self.record(trainer, search.replans, "applied", why, choice.to_dict())
         return True

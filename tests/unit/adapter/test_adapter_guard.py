@@ -47,6 +47,22 @@ def test_an_action_that_paid_is_kept() -> None:
     assert guard.baseline_s == pytest.approx(0.8)
 
 
+@pytest.mark.parametrize(("newest", "keep"), [(3, True), (None, False)])
+def test_a_move_after_a_severe_change_is_judged_against_the_steps_since_it(
+    newest: int | None, keep: bool
+) -> None:
+    # 1.0 s a step, then a cut (1.6 s) proposed on at its third step and moved on at once: the
+    # window before the move holds three steps from before the cut, whose median is 1.3 s.
+    guard = ActionGuard(CFG)
+    for step, seconds in enumerate([1.0] * 10 + [1.6] * 3):
+        guard.record(step, seconds)
+    guard.begin(12, {"kind": "replan"}, towards_plan=False, newest=newest)
+    verdicts = [guard.record(13 + i, 1.25) for i in range(CFG.settle + CFG.window)]
+    verdict = verdicts[-1]
+    assert verdict is not None and verdict.keep == keep
+    assert verdict.before_s == pytest.approx(1.6 if newest else 1.3)
+
+
 def test_a_gain_below_min_gain_is_not_enough() -> None:
     (verdict,) = _run(ActionGuard(CFG), [1.0] * 20 + [0.97] * 20, act_at=19)
     assert not verdict.keep
