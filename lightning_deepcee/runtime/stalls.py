@@ -66,26 +66,33 @@ class StallClock:
         self._task_dir = task_dir
         self._names = frozenset(names)
         self._io: dict[int, int] = {}  # thread id -> descriptor of its schedstat
+        self._others: set[int] = set()  # threads seen that are not I/O threads
         self._lock = threading.Lock()
         self._own_path = "/proc/thread-self/schedstat" if task_dir == "/proc/self/task" else None
 
     def refresh(self) -> None:
-        """Look for I/O threads anew; forget (and close) those that ended."""
+        """Look for I/O threads among the threads started since the last call (a thread's name
+        is read once); forget (and close) those that ended."""
         try:
             tids = [int(name) for name in os.listdir(self._task_dir) if name.isdigit()]
         except OSError:
             return
         with self._lock:
             found: dict[int, int] = {}
+            self._others.intersection_update(tids)
             for tid in tids:
                 if tid in self._io:
                     found[tid] = self._io.pop(tid)
+                    continue
+                if tid in self._others:
                     continue
                 try:
                     with open(f"{self._task_dir}/{tid}/comm", "rb") as f:
                         name = f.read().strip().decode(errors="replace")
                     if name in self._names:
                         found[tid] = os.open(f"{self._task_dir}/{tid}/schedstat", os.O_RDONLY)
+                    else:
+                        self._others.add(tid)
                 except OSError:
                     continue  # the thread ended meanwhile
             for fd in self._io.values():

@@ -5,6 +5,7 @@ end-to-end world of ``test_adapter_decisions``)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -208,6 +209,25 @@ class _Stuck:
         self.cancelled = True
 
 
+def _search_in_flight_at(
+    at: int, stuck: _Stuck, *, probing: bool = False
+) -> Callable[[int, Any], None]:
+    """A run's ``each_step``: at step ``at`` (no search running; ``probing``: a link the move
+    left is probed), put ``stuck`` in flight as a search for ``FORWARD``."""
+
+    def each_step(step: int, adapter: Any) -> None:
+        if step == at:
+            assert adapter.replanner.search is None
+            assert bool(adapter.comeback.pairs) or not probing
+            adapter.replanner.search = SearchInFlight(
+                step=step, replans=[FORWARD], resplits=[], observed=world_profile(FAST),
+                changes={}, configuration=adapter.configuration, clocked=False, searcher=0,
+                job=stuck,
+            )  # fmt: skip
+
+    return each_step
+
+
 def test_a_return_that_is_due_does_not_wait_for_a_search_in_flight(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -215,19 +235,9 @@ def test_a_return_that_is_due_does_not_wait_for_a_search_in_flight(
     dropped when the link is back, and the return comes at the same step as without it."""
     _ahead_is_solo(monkeypatch)
     stuck = _Stuck()
-
-    def search_in_flight(step: int, adapter: Any) -> None:
-        if step == 100:
-            assert adapter.replanner.search is None and adapter.comeback.pairs
-            adapter.replanner.search = SearchInFlight(
-                step=step, replans=[FORWARD], resplits=[], observed=world_profile(FAST),
-                changes={}, configuration=adapter.configuration, clocked=False, searcher=0,
-                job=stuck,
-            )  # fmt: skip
-
     run = run_adapter(
         monkeypatch, 200, _cut, _fast_world, profile=world_profile(FAST),
-        each_step=search_in_flight,
+        each_step=_search_in_flight_at(100, stuck, probing=True),
     )  # fmt: skip
     (back,) = run.kinds("return-applied")
     assert back["step"] == 120 + 3  # as in the test above
@@ -244,18 +254,9 @@ def test_a_severe_drop_while_a_search_runs_supersedes_it_and_moves_at_once(
     hold back the cut at step 60: it is dropped and the plan searched ahead is taken."""
     _ahead_is_solo(monkeypatch)
     stuck = _Stuck()
-
-    def search_in_flight(step: int, adapter: Any) -> None:
-        if step == 50:
-            adapter.replanner.search = SearchInFlight(
-                step=step, replans=[FORWARD], resplits=[], observed=world_profile(FAST),
-                changes={}, configuration=adapter.configuration, clocked=False, searcher=0,
-                job=stuck,
-            )  # fmt: skip
-
     run = run_adapter(
         monkeypatch, 100, _cut, _fast_world, profile=world_profile(FAST),
-        each_step=search_in_flight,
+        each_step=_search_in_flight_at(50, stuck),
     )  # fmt: skip
     (dropped,) = run.kinds("replan-dropped")
     (moved,) = run.kinds("replan-applied")
