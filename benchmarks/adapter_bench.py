@@ -70,6 +70,8 @@ from harness import (
 
 def worker_main(argv: list[str]) -> None:
     import lightning.pytorch as pl
+    import torch
+    import torch.distributed
     from lightning.pytorch.callbacks import Callback
     from models import gpt_kwargs
 
@@ -96,6 +98,8 @@ def worker_main(argv: list[str]) -> None:
         def on_train_start(self, trainer, pl_module) -> None:
             if args.plan_out is not None and trainer.is_global_zero:
                 trainer.strategy.plan.to_json(args.plan_out)
+            self.stop_group = torch.distributed.new_group(backend="gloo")
+            self.stop_posted: tuple[Any, torch.Tensor] | None = None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self.start = time.monotonic()
@@ -112,9 +116,17 @@ def worker_main(argv: list[str]) -> None:
                 )
                 with args.steps_log.open("a") as f:
                     f.write(json.dumps(record) + "\n")
-            # Every rank must stop after the same step: decide together.
-            if trainer.strategy.reduce_boolean_decision(now - t0 >= args.end_s, all=False):
-                trainer.should_stop = True
+            # Every rank must stop after the same step: each posts whether the trace is over
+            # and reads the sum a step later, so no step waits for every rank to end the one
+            # before (a blocking vote would be a barrier a pipeline does not have).
+            if self.stop_posted is not None:
+                work, votes = self.stop_posted
+                work.wait()
+                if votes.item() > 0:
+                    trainer.should_stop = True
+            votes = torch.tensor([float(now - t0 >= args.end_s)], dtype=torch.float64)
+            work = torch.distributed.all_reduce(votes, group=self.stop_group, async_op=True)
+            self.stop_posted = (work, votes)
 
     callbacks: list[Any] = [StepLog()]
     if args.adapter == "on":
