@@ -7,7 +7,8 @@ while training waits for a message, and training's next burst then stalls until 
 period, however low the search's priority. So the search runs in a child process at the lowest
 priority (``nice 19``) and, under a quota, spends at most ``share`` of each period's budget
 (a ``SIGPROF`` timer counts its CPU and sleeps out the period when the share is spent), leaving
-the rest to the training process and its communication threads.
+the rest to the training process and its communication threads. Both hold from the child's
+first line: its entry (``_paced_child.py``) sets them before it imports the planner.
 
 A re-plan searches the running plan's neighbourhood first (its training devices and their
 subsets, half, the same and twice its micro-batches), which takes a fraction of a whole search,
@@ -18,7 +19,8 @@ profile, the running plan, the margin and the strategy's ``device_gain`` and ``c
 the outcome is :meth:`ReplanChoice.to_dict` or ``{"error": ...}``. A search of plans ahead
 also appends each plan to a file as it finds it, which the parent reads while it runs
 (:meth:`SearchProcess.found`).
-``python -m lightning_deepcee.adapter.search_process FOLDER`` runs one.
+``python -m lightning_deepcee.adapter._paced_child FOLDER
+lightning_deepcee.adapter.search_process:run`` runs one.
 """
 
 from __future__ import annotations
@@ -29,22 +31,20 @@ import functools
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
-__all__ = ["SearchProcess", "main", "pace", "run"]
+from lightning_deepcee.adapter._paced_child import ERRORS, FOUND, OUTCOME, REQUEST, pace
 
-_REQUEST, _OUTCOME, _ERRORS = "request.json", "outcome.json", "stderr.txt"
-_FOUND = "found.jsonl"
-"""Entries a contingency search has found so far, one JSON line each (read while it runs)."""
+__all__ = ["SearchProcess", "pace", "run"]
+
+_CHILD = "lightning_deepcee.adapter._paced_child"
+"""The child's entry: priority and pace first, then this module's :func:`run`."""
 _ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
@@ -120,56 +120,6 @@ def run(
     ).to_dict()
 
 
-def pace(cores: float, period_s: float, share: float) -> None:
-    """Keep this process's CPU to ``share`` of a quota of ``cores`` per ``period_s``: every few
-    milliseconds of CPU (the kernel's timer ticks) a ``SIGPROF`` handler checks the spending
-    since the window began; once a period's share is spent it sleeps until the spending is back
-    at the rate, overshoot included (the Python code pauses between bytecodes)."""
-    if not (cores > 0 and period_s > 0 and 0 < share <= 1):
-        raise ValueError(f"pace: needs cores, period_s > 0 and share in (0, 1], got "
-                         f"{cores}, {period_s}, {share}")  # fmt: skip
-    rate = share * cores  # CPU seconds per second
-    budget = rate * period_s
-    window = {"wall": time.monotonic(), "cpu": time.process_time()}
-
-    def check(signum: int, frame: FrameType | None) -> None:
-        now, cpu = time.monotonic(), time.process_time()
-        spent = cpu - window["cpu"]
-        if spent >= budget:  # sleep until the window's spending is back at the rate
-            time.sleep(max(0.0, window["wall"] + spent / rate - now))
-        if spent >= budget or now - window["wall"] >= period_s:
-            window["wall"], window["cpu"] = time.monotonic(), time.process_time()
-
-    tick = max(budget / 4, 0.001)
-    signal.signal(signal.SIGPROF, check)
-    signal.setitimer(signal.ITIMER_PROF, tick, tick)
-
-
-def main(argv: Sequence[str]) -> int:
-    """Run the request in folder ``argv[0]`` and write its outcome there (the child's side)."""
-    folder = Path(argv[0])
-    with contextlib.suppress(OSError):
-        os.nice(19)
-    request = json.loads((folder / _REQUEST).read_text())
-    if request.get("cpu") is not None:
-        cores, period_s = request["cpu"]
-        pace(float(cores), float(period_s), float(request["share"]))
-
-    def emit(entry: dict[str, Any]) -> None:
-        with open(folder / _FOUND, "a") as found:
-            found.write(json.dumps(entry) + "\n")
-
-    try:
-        outcome = run(request, emit)
-    except Exception as exc:  # the parent raises it on every rank
-        outcome = {"error": f"{type(exc).__name__}: {exc}"}
-    signal.setitimer(signal.ITIMER_PROF, 0, 0)
-    partial = folder / (_OUTCOME + ".part")
-    partial.write_text(json.dumps(outcome))
-    partial.replace(folder / _OUTCOME)
-    return 0
-
-
 def _reap(process: subprocess.Popen[bytes], folder: str) -> None:
     if process.poll() is None:
         process.kill()
@@ -189,14 +139,14 @@ class SearchProcess:
     def __init__(self, request: Mapping[str, Any]) -> None:
         self._folder = tempfile.mkdtemp(prefix="deepcee-replan-")
         folder = Path(self._folder)
-        (folder / _REQUEST).write_text(json.dumps(dict(request)))
+        (folder / REQUEST).write_text(json.dumps(dict(request)))
         env = dict(os.environ)
         source = str(Path(__file__).resolve().parents[2])  # the package's own copy, first
         env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
         env.update(dict.fromkeys(_ONE_THREAD, "1"))
-        with open(folder / _ERRORS, "wb") as errors:
+        with open(folder / ERRORS, "wb") as errors:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "lightning_deepcee.adapter.search_process", self._folder],
+                [sys.executable, "-m", _CHILD, self._folder, f"{__name__}:run"],
                 env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
             )  # fmt: skip
         self._finalizer = weakref.finalize(self, _reap, self._process, self._folder)
@@ -215,7 +165,7 @@ class SearchProcess:
         """The entries a contingency search has found so far (whole lines only; ``[]`` once
         its folder is gone: take :meth:`result` then)."""
         try:
-            text = (Path(self._folder) / _FOUND).read_text()
+            text = (Path(self._folder) / FOUND).read_text()
         except OSError:
             return []
         return [json.loads(line) for line in text.split("\n")[:-1]]
@@ -233,9 +183,9 @@ class SearchProcess:
     def _read(self) -> dict[str, Any]:
         folder = Path(self._folder)
         try:
-            outcome: dict[str, Any] = json.loads((folder / _OUTCOME).read_text())
+            outcome: dict[str, Any] = json.loads((folder / OUTCOME).read_text())
         except (OSError, ValueError):
-            errors = (folder / _ERRORS).read_text(errors="replace").strip().splitlines()
+            errors = (folder / ERRORS).read_text(errors="replace").strip().splitlines()
             tail = " | ".join(errors[-3:]) or "no output"
             return {"error": f"the search process exited {self._process.returncode}: {tail}"}
         return outcome
@@ -243,7 +193,3 @@ class SearchProcess:
     def cancel(self) -> None:
         """Stop the search if it still runs and remove its files."""
         self._finalizer()
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -309,6 +309,21 @@ def test_a_cancelled_search_process_stops() -> None:
         os.kill(job.pid, 0)  # reaped, not a zombie
 
 
+def test_the_search_child_paces_itself_before_it_loads_the_planner() -> None:
+    """The child's entry (``python -m lightning_deepcee.adapter._paced_child``, which runs the
+    package ``__init__`` first) loads only the standard library before it lowers its priority
+    and paces itself: the planner's imports (numpy, scipy: over a second of CPU) come after, so
+    they too keep to the share of a device's quota."""
+    code = (
+        "import json, sys\n"
+        "import lightning_deepcee.adapter._paced_child\n"
+        "heavy = ('numpy', 'scipy', 'torch', 'lightning_deepcee.planner')\n"
+        "print(json.dumps([m for m in heavy if m in sys.modules]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[-2] == "[]", out.stdout + out.stderr
+
+
 def test_the_search_spends_at_most_its_share_of_the_quota() -> None:
     """Under a quota of 0.5 cores the search may spend a fifth of it: 0.1 s of CPU per second."""
     code = (
