@@ -6,9 +6,9 @@ before it imports anything beyond the standard library: the planner's imports (n
 cost about a second and a half of CPU, twelve seconds or more of a device at a tenth of a core,
 and unpaced they take the quota from the training process beside them. Then it imports
 ``MODULE``, calls ``FUNCTION(request, emit)`` on the request in ``FOLDER`` and writes its
-outcome there. The package ``__init__`` it runs first imports nothing (its names load on first
-use). The parent's side is :class:`~lightning_deepcee.adapter.search_process.SearchProcess`,
-whose ``run`` is the function.
+outcome there. The packages' ``__init__`` files it runs first load only the standard library
+(the adapter's names load on first use). The parent's side is
+:class:`~lightning_deepcee.adapter.search_process.SearchProcess`, whose ``run`` is the function.
 
 Standard library only (``tests/unit/adapter/test_adapter_replan.py`` checks it).
 """
