@@ -23,20 +23,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_deepcee.adapter.gate import (
-        SplitChoice,
-        choose_split,
-        with_microbatches,
-    )
-    from lightning_deepcee.adapter.guard import (
-        ActionGuard,
-        GuardConfig,
-        Verdict,
-    )
-    from lightning_deepcee.adapter.links import (
-        link_expectations,
-        plan_pairs,
-    )
+    from lightning_deepcee.adapter.gate import SplitChoice, choose_split, with_microbatches
+    from lightning_deepcee.adapter.guard import ActionGuard, GuardConfig, Verdict
+    from lightning_deepcee.adapter.links import link_expectations, plan_pairs
     from lightning_deepcee.adapter.monitor import (
         Decision,
         DecisionKind,
@@ -57,9 +46,7 @@ if TYPE_CHECKING:
         link_figures,
         observed_profile,
     )
-    from lightning_deepcee.callbacks.adapter import (
-        DynamicEnvironmentAdapter,
-    )
+    from lightning_deepcee.callbacks.adapter import DynamicEnvironmentAdapter
 
 __all__ = [
     "ActionGuard",

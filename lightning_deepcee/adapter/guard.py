@@ -153,9 +153,10 @@ class ActionGuard:
                 "ActionGuard.begin: an action is already waiting for its verdict "
                 f"({self._pending['action']}); take one action at a time"
             )
+        before_s = self.newest_s(newest) if newest else None
         self._pending = {
             "action": {**dict(action), "step": step},
-            "before_s": (newest and self.newest_s(newest)) or self.baseline_s,
+            "before_s": self.baseline_s if before_s is None else before_s,
             "towards_plan": bool(towards_plan),
         }
         self._after = []
