@@ -5,6 +5,7 @@ end-to-end world of ``test_adapter_decisions``)."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -265,8 +266,10 @@ def test_the_search_process_writes_each_plan_as_it_finds_it() -> None:
     request = {"kind": "contingencies", "profile": world_profile().to_dict(),
                "plan": world_plan().to_dict(), "device_gain": 0.05}  # fmt: skip
     job = search_process.SearchProcess(request)
-    while not job.done():
-        pass
+    deadline = time.monotonic() + 600
+    while not job.done():  # the child runs at nice 19: a busy loop here would starve it
+        assert time.monotonic() < deadline, "the search process did not finish in 10 min"
+        time.sleep(0.05)
     found = job.found()
     assert [e["name"] for e in found] == ["net0<->net1", "device 0", "device 1", "device 2"]
     assert job.result()["plans"] == found
