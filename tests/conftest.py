@@ -20,6 +20,5 @@ _LAB = Path(__file__).resolve().parent / "lab"
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Give each test its xdist group: ``lab`` for tests/lab, else its module."""
     for item in items:
-        path = Path(str(item.path))
-        group = "lab" if path.is_relative_to(_LAB) else item.nodeid.split("::", 1)[0]
+        group = "lab" if item.path.is_relative_to(_LAB) else item.nodeid.split("::", 1)[0]
         item.add_marker(pytest.mark.xdist_group(group))
