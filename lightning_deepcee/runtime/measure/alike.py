@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_deepcee.runtime.values import flatten_value
 
-__all__ = ["alike_classes", "pool_alike", "timed_blocks"]
+__all__ = ["alike_classes", "first_of_classes", "pool_alike", "share_alike", "timed_blocks"]
 
 _MIN_CLASS = 3
 """Blocks a class needs before its median replaces their own figures (two readings have no
@@ -106,6 +106,23 @@ def timed_blocks(classes: Sequence[int | None]) -> frozenset[int]:
         k = _MIN_CLASS - 1
         chosen.update(indices[round(i * last / k)] for i in range(_MIN_CLASS))
     return frozenset(chosen)
+
+
+def first_of_classes(classes: Sequence[int | None]) -> frozenset[int]:
+    """Every block outside a class, and the first of each class: one of each kind of work."""
+    chosen = {index for index, number in enumerate(classes) if number is None}
+    chosen.update(indices[0] for indices in _members(classes).values())
+    return frozenset(chosen)
+
+
+def share_alike(values: Sequence[int], classes: Sequence[int | None]) -> tuple[int, ...]:
+    """``values`` with each class's blocks at its first member's value (what
+    :func:`first_of_classes` measured); blocks outside a class keep theirs."""
+    shared = list(values)
+    for indices in _members(classes).values():
+        for i in indices:
+            shared[i] = values[indices[0]]
+    return tuple(shared)
 
 
 def pool_alike(

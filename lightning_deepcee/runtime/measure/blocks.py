@@ -26,7 +26,13 @@ import torch
 from torch import nn
 
 from lightning_deepcee.runtime.cpu_quota import read_cpu_quota
-from lightning_deepcee.runtime.measure.alike import alike_classes, pool_alike, timed_blocks
+from lightning_deepcee.runtime.measure.alike import (
+    alike_classes,
+    first_of_classes,
+    pool_alike,
+    share_alike,
+    timed_blocks,
+)
 from lightning_deepcee.runtime.measure.passes import (
     LossFn,
     RestoredState,
@@ -174,9 +180,10 @@ def measure_blocks(
       budget, and those stalls sit on the pipeline's critical path.)
 
     **Memory.** Besides the bytes of each block's output (``activation_bytes``, what a stage
-    sends on), one more untimed forward and backward per block measures what it keeps for
-    backward (``saved_bytes``) and its transient peak beyond that (``transient_bytes``), per
-    sample (:func:`~lightning_deepcee.runtime.measure.saved.block_memory_bytes`).
+    sends on), one untimed forward and backward per kind of block (alike blocks save the same
+    tensors) measures what it keeps for backward (``saved_bytes``) and its transient peak beyond
+    that (``transient_bytes``), per sample
+    (:func:`~lightning_deepcee.runtime.measure.saved.block_memory_bytes`), once for all rounds.
 
     **Rounds.** With ``rounds > 1`` all of the above runs that many times in a row and every
     figure is the median over the rounds, entry by entry. One round's sustained factor is how
@@ -185,8 +192,9 @@ def measure_blocks(
 
     **Budget.** With ``budget_s``, one untimed pass first measures how long a pass takes, and
     :func:`fit_passes` cuts ``rounds``, then ``repeats`` and ``warmup`` (never below one round of
-    two repeats) so that the whole measurement takes about ``budget_s``: a device at a tenth of a
-    core would otherwise spend minutes here while every other device waits for it.
+    two repeats) so that the whole measurement, the blocks' inputs and memory included, takes
+    about ``budget_s``: a device at a tenth of a core would otherwise spend minutes here while
+    every other device waits for it.
 
     Side-effect free: parameters are not updated, each parameter's ``.grad`` is restored (to
     ``None`` if it was unset), buffers (BatchNorm statistics) are restored and the global RNG
@@ -196,66 +204,74 @@ def measure_blocks(
     _check_measure_arguments(blocks, sample_input, loss_fn, sample_batch, repeats, warmup)
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds: expected a positive integer, got {rounds!r}")
-    if budget_s is not None:
-        if not (isinstance(budget_s, (int, float)) and budget_s > 0 and math.isfinite(budget_s)):
-            raise ValueError(
-                f"budget_s: expected None or positive finite seconds, got {budget_s!r}"
-            )
-        pass_s = _probe_pass(blocks, sample_input, loss_fn, sample_batch)
-        rounds, repeats, warmup = fit_passes(budget_s, pass_s, rounds, repeats, warmup)
-    measured: list[BlockTimings] = []
-    for _ in range(rounds):
-        # Bytes do not change from round to round: the first round measures them for all.
-        memory = (measured[0].saved_bytes, measured[0].transient_bytes) if measured else None
-        measured.append(
-            _measure_round(
-                blocks, sample_input, loss_fn, sample_batch, repeats, warmup, sustain_s, memory
-            )
-        )
-    return _median_timings(measured)
-
-
-def fit_passes(
-    budget_s: float, pass_s: float, rounds: int, repeats: int, warmup: int
-) -> tuple[int, int, int]:
-    """``(rounds, repeats, warmup)`` for :func:`measure_blocks` that fit ``budget_s`` seconds when
-    one pass over all blocks takes ``pass_s``; at most the given figures, at least one round of
-    two timed repeats and no warmup (the probe pass warmed up).
-
-    A round costs ``(warmup + repeats) * 1.5 + 0.9 * repeats + 2`` passes (the timed passes at
-    both sizes, the merged-backward passes, two sustained passes) and the first one a pass more
-    (memory). Rounds go first: their median
-    steadies the sustained speed, which matters less than each block's fastest time.
-    """
-    allowed = budget_s / max(pass_s, 1e-9)
-
-    def cost(num_rounds: int, num_repeats: int, num_warmup: int) -> float:
-        per_round = (num_warmup + num_repeats) * (1 + _SMALL_PASS_SHARE) + 2
-        per_round += _MERGED_PASS_SHARE * num_repeats
-        return num_rounds * per_round + 1
-
-    for num_rounds in range(rounds, 0, -1):
-        if cost(num_rounds, repeats, warmup) <= allowed:
-            return num_rounds, repeats, warmup
-    fit = [r for r in range(2, repeats + 1) if cost(1, r, 0) <= allowed]
-    num_repeats = max(fit, default=2)
-    fit = [w for w in range(warmup + 1) if cost(1, num_repeats, w) <= allowed]
-    return 1, num_repeats, max(fit, default=0)
-
-
-def _probe_pass(
-    blocks: list[nn.Module], sample_input: Any, loss_fn: LossFn | None, sample_batch: Any
-) -> float:
-    """Wall seconds of one untimed pass over the blocks that are timed (:func:`timed_blocks`),
-    side-effect free like the measurement itself."""
+    if budget_s is not None and not (
+        isinstance(budget_s, (int, float)) and budget_s > 0 and math.isfinite(budget_s)
+    ):
+        raise ValueError(f"budget_s: expected None or positive finite seconds, got {budget_s!r}")
+    began = time.perf_counter()
     device = tensor_leaves(sample_input)[0].device
+    size = value_rows(sample_input, "sample_input")
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     with RestoredState(blocks), torch.random.fork_rng(devices=rng_devices):
         inputs = block_inputs(blocks, sample_input)
         classes = alike_classes(blocks, inputs, last_has_loss=loss_fn is not None)
-        start = time.perf_counter()
-        time_pass(blocks, inputs, loss_fn, sample_batch, only=timed_blocks(classes))
-        return time.perf_counter() - start
+        timed = timed_blocks(classes)
+        memory = _memory(blocks, inputs, classes, loss_fn, sample_batch, size)
+        jitter = _quota_period_s(device)
+        if budget_s is not None:
+            start = time.perf_counter()
+            time_pass(blocks, inputs, loss_fn, sample_batch, only=timed)  # the probe pass
+            pass_s = time.perf_counter() - start
+            rounds, repeats, warmup = fit_passes(
+                budget_s - (time.perf_counter() - began),
+                pass_s,
+                rounds,
+                repeats,
+                warmup,
+                sustain_s=sustain_s,
+                sleep_s=jitter / 2,
+            )
+        round_ = _Round(blocks, inputs, classes, timed, loss_fn, sample_batch, jitter)
+        measured = [round_.measure(repeats, warmup, sustain_s, memory) for _ in range(rounds)]
+    return _median_timings(measured)
+
+
+def fit_passes(
+    budget_s: float,
+    pass_s: float,
+    rounds: int,
+    repeats: int,
+    warmup: int,
+    *,
+    sustain_s: float = 0.0,
+    sleep_s: float = 0.0,
+) -> tuple[int, int, int]:
+    """``(rounds, repeats, warmup)`` for :func:`measure_blocks` that fit ``budget_s`` seconds when
+    one pass over the timed blocks takes ``pass_s``; at most the given figures, at least one round
+    of two timed repeats and no warmup (the probe pass warmed up).
+
+    A round costs ``(warmup + repeats) * 1.5 + 0.9 * repeats`` passes (the timed passes at both
+    sizes, the merged-backward passes), each after a sleep of ``sleep_s`` on average (the random
+    start under a CPU quota), then the sustained passes: ``sustain_s`` of them, two at least.
+    ``budget_s`` is what is left after the parts measured once (the blocks' inputs, their memory
+    and the probe pass). Rounds go first: their median steadies the sustained speed, which
+    matters less than each block's fastest time.
+    """
+    sustained = max(2.0, sustain_s / max(pass_s, 1e-9)) if sustain_s > 0 else 0.0
+
+    def cost(num_rounds: int, num_repeats: int, num_warmup: int) -> float:
+        timed = (num_warmup + num_repeats) * (1 + _SMALL_PASS_SHARE)
+        timed += _MERGED_PASS_SHARE * num_repeats
+        sleeps = (num_warmup + num_repeats) * 2 + num_repeats
+        return num_rounds * ((timed + sustained) * pass_s + sleeps * sleep_s)
+
+    for num_rounds in range(rounds, 0, -1):
+        if cost(num_rounds, repeats, warmup) <= budget_s:
+            return num_rounds, repeats, warmup
+    fit = [r for r in range(2, repeats + 1) if cost(1, r, 0) <= budget_s]
+    num_repeats = max(fit, default=2)
+    fit = [w for w in range(warmup + 1) if cost(1, num_repeats, w) <= budget_s]
+    return 1, num_repeats, max(fit, default=0)
 
 
 def _median_timings(rounds: Sequence[BlockTimings]) -> BlockTimings:
@@ -293,35 +309,52 @@ def _median_timings(rounds: Sequence[BlockTimings]) -> BlockTimings:
     )
 
 
-def _measure_round(
-    blocks: list[nn.Module],
-    sample_input: Any,
-    loss_fn: LossFn | None,
-    sample_batch: Any,
-    repeats: int,
-    warmup: int,
-    sustain_s: float,
-    memory: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
-) -> BlockTimings:
-    """One round of :func:`measure_blocks` (arguments already checked); ``memory``: the saved
-    and transient bytes an earlier round measured."""
-    device = tensor_leaves(sample_input)[0].device
-    rng_devices = [device.index or 0] if device.type == "cuda" else []
-    size = value_rows(sample_input, "sample_input")
-    with RestoredState(blocks), torch.random.fork_rng(devices=rng_devices):
-        inputs = block_inputs(blocks, sample_input)
-        jitter = _quota_period_s(device)
-        classes = alike_classes(blocks, inputs, last_has_loss=loss_fn is not None)
-        timed = timed_blocks(classes)
+class _Round:
+    """One round of :func:`measure_blocks` over prepared blocks (arguments already checked):
+    ``inputs`` from :func:`block_inputs`, ``classes`` and ``timed`` from
+    :func:`alike_classes` and :func:`timed_blocks`, ``jitter`` the quota period
+    (:func:`_quota_period_s`). The caller restores the model's state and forks the RNG."""
 
-        def timed_fastest(
-            values: list[Any], batch: Any, count: int, warm: int, *, merged: bool = False
-        ) -> list[tuple[float, float, float]]:
-            return block_fastest(
-                blocks, values, loss_fn, batch, count, warm, jitter, merged=merged, only=timed
-            )
+    def __init__(
+        self,
+        blocks: list[nn.Module],
+        inputs: list[Any],
+        classes: list[int | None],
+        timed: frozenset[int],
+        loss_fn: LossFn | None,
+        sample_batch: Any,
+        jitter: float,
+    ) -> None:
+        self.blocks, self.inputs, self.classes, self.timed = blocks, inputs, classes, timed
+        self.loss_fn, self.sample_batch, self.jitter = loss_fn, sample_batch, jitter
 
-        split = timed_fastest(inputs, sample_batch, repeats, warmup)
+    def _fastest(
+        self, values: list[Any], batch: Any, count: int, warm: int, *, merged: bool = False
+    ) -> list[tuple[float, float, float]]:
+        return block_fastest(
+            self.blocks,
+            values,
+            self.loss_fn,
+            batch,
+            count,
+            warm,
+            self.jitter,
+            merged=merged,
+            only=self.timed,
+        )
+
+    def measure(
+        self,
+        repeats: int,
+        warmup: int,
+        sustain_s: float,
+        memory: tuple[tuple[int, ...], tuple[int, ...]],
+    ) -> BlockTimings:
+        """The round's timings; ``memory``: the saved and transient bytes (measured once)."""
+        blocks, inputs, classes, timed = self.blocks, self.inputs, self.classes, self.timed
+        loss_fn, sample_batch = self.loss_fn, self.sample_batch
+        size = value_rows(inputs[0], "sample_input")
+        split = self._fastest(inputs, sample_batch, repeats, warmup)
         fastest = pool_alike(split, classes, timed)
         small = max(2, size // 4)
         small_fastest = None
@@ -331,17 +364,17 @@ def _measure_round(
             small_inputs = [slice_value(value, 0, small) for value in inputs[:-1]]
             try:
                 small_fastest = pool_alike(
-                    timed_fastest(small_inputs, small_batch, repeats, warmup), classes, timed
+                    self._fastest(small_inputs, small_batch, repeats, warmup), classes, timed
                 )
             except (RuntimeError, ValueError) as exc:  # a model that only takes its batch size
                 warnings.warn(
                     f"measure_blocks: the blocks failed on a {small}-sample slice of the "
                     f"micro-batch ({exc}); fixed per-call costs are not measured (taken as 0)",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
         # Each timed block's own reading (not its class's median): more readings to take the
         # median of; untimed blocks have no B and are passed over.
-        ratio = _merged_ratio(timed_fastest(inputs, sample_batch, repeats, 0, merged=True), split)
+        ratio = _merged_ratio(self._fastest(inputs, sample_batch, repeats, 0, merged=True), split)
         fixed = []
         if small_fastest is not None:
             fastest, small_fastest = _clamp_stalls(fastest, small_fastest, size / small)
@@ -356,22 +389,21 @@ def _measure_round(
                 passes += 1
             factor = max(1.0, sustained / passes / burst)
         activation = [math.ceil(value_bytes(output) / size) for output in inputs[1:]]
-        saved, transient = memory or _memory(blocks, inputs, loss_fn, sample_batch, size)
         optimizer = _optimizer_s_per_byte(blocks, repeats, warmup)
-    return BlockTimings(
-        forward_s=tuple(f * factor for f, _, _ in fastest),
-        backward_input_s=tuple(b * factor for _, b, _ in fastest),
-        backward_weight_s=tuple(w * factor for _, _, w in fastest),
-        activation_bytes=tuple(activation),
-        parameter_bytes=tuple(parameter_bytes(block) for block in blocks),
-        saved_bytes=saved,
-        transient_bytes=transient,
-        microbatch_size=size,
-        fixed_s=tuple(value * factor for value in fixed),
-        backward_s=tuple((b + w) * ratio * factor for _, b, w in fastest),
-        optimizer_s_per_byte=optimizer * factor,
-        sustained_factor=factor,
-    )
+        return BlockTimings(
+            forward_s=tuple(f * factor for f, _, _ in fastest),
+            backward_input_s=tuple(b * factor for _, b, _ in fastest),
+            backward_weight_s=tuple(w * factor for _, _, w in fastest),
+            activation_bytes=tuple(activation),
+            parameter_bytes=tuple(parameter_bytes(block) for block in blocks),
+            saved_bytes=memory[0],
+            transient_bytes=memory[1],
+            microbatch_size=size,
+            fixed_s=tuple(value * factor for value in fixed),
+            backward_s=tuple((b + w) * ratio * factor for _, b, w in fastest),
+            optimizer_s_per_byte=optimizer * factor,
+            sustained_factor=factor,
+        )
 
 
 def _quota_period_s(device: torch.device) -> float:
@@ -384,11 +416,21 @@ def _quota_period_s(device: torch.device) -> float:
 
 
 def _memory(
-    blocks: list[nn.Module], inputs: list[Any], loss_fn: LossFn | None, sample_batch: Any, size: int
+    blocks: list[nn.Module],
+    inputs: list[Any],
+    classes: list[int | None],
+    loss_fn: LossFn | None,
+    sample_batch: Any,
+    size: int,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """:func:`block_memory_bytes`, or nothing (with a warning) for blocks it cannot follow."""
+    """:func:`block_memory_bytes` of one block per class of like blocks (alike blocks save the
+    same tensors: the same modules on the same shapes), the others given their class's figures;
+    or nothing (with a warning) for blocks it cannot follow."""
+    measured = first_of_classes(classes)
     try:
-        return block_memory_bytes(blocks, inputs, loss_fn, sample_batch, size)
+        saved, transient = block_memory_bytes(
+            blocks, inputs, loss_fn, sample_batch, size, only=measured
+        )
     except (RuntimeError, TypeError, NotImplementedError) as exc:  # e.g. a compiled block
         warnings.warn(
             f"measure_blocks: the blocks' saved and transient bytes could not be measured "
@@ -397,6 +439,7 @@ def _memory(
             stacklevel=3,
         )
         return (), ()
+    return share_alike(saved, classes), share_alike(transient, classes)
 
 
 def _optimizer_s_per_byte(blocks: Sequence[nn.Module], repeats: int, warmup: int) -> float:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -206,8 +206,11 @@ def block_memory_bytes(
     loss_fn: LossFn | None,
     sample_batch: Any,
     rows: int,
+    *,
+    only: Collection[int] | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(saved_bytes, transient_bytes)``: per block, bytes per sample (rounded up).
+    """``(saved_bytes, transient_bytes)``: per block, bytes per sample (rounded up); with
+    ``only``, zeros for the blocks not in it (not run).
 
     ``inputs`` are the blocks' input values (:func:`~.passes.block_inputs`) at ``rows`` samples.
     Each block runs one forward (the last with ``loss_fn`` when given) and one backward from a
@@ -231,6 +234,10 @@ def block_memory_bytes(
     transient_per_block: list[int] = []
     last = len(blocks) - 1
     for index, block in enumerate(blocks):
+        if only is not None and index not in only:
+            saved_per_block.append(0)
+            transient_per_block.append(0)
+            continue
         loss = loss_fn if index == last else None
         saved, transient = _one_block(block, inputs[index], index, loss, sample_batch)
         saved_per_block.append(math.ceil(saved / rows))

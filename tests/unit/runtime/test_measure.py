@@ -323,7 +323,10 @@ def test_blocks_are_timed_in_a_pipeline_stages_order() -> None:
     log: list[str] = []
     blocks = [_Traced(i, log) for i in range(3)]
     measure_blocks(blocks, torch.randn(4, 4), repeats=1, warmup=0, sustain_s=0)
-    timed = log[log.index("F0", 1) :]  # after the untimed forward that makes each block's input
+    # Every forward in a row starts a pass: the first makes each block's input, the next is the
+    # first timed pass (the memory pass between them runs each block's forward and backward).
+    starts = [i for i in range(len(log)) if log[i : i + 3] == ["F0", "F1", "F2"]]
+    timed = log[starts[1] :]
     first_pass = timed[: timed.index("W0") + 1]
     assert first_pass == ["F0", "F1", "F2", "B2", "B1", "W2", "W1", "W0"], log
 
@@ -498,28 +501,37 @@ def test_a_block_value_that_is_not_tensors_names_the_block() -> None:
 
 
 @pytest.mark.parametrize(
-    ("budget_s", "pass_s", "expected"),
+    ("budget_s", "pass_s", "sleep_s", "expected"),
     [
-        (100.0, 0.1, (3, 5, 2)),  # 1000 passes allowed: everything asked for
-        (40.0, 1.0, (2, 5, 2)),  # 40 passes: a round costs 17, two fit, three do not
-        (30.0, 1.0, (1, 5, 2)),
-        (14.0, 1.0, (1, 4, 0)),  # one round: 4 timed passes cost 1 + 6 + 2 + 3.6 = 12.6
-        (10.0, 1.0, (1, 2, 1)),  # two timed passes and one warm-up: 9.3
-        (1.0, 1.0, (1, 2, 0)),  # never below one round of two repeats
+        (100.0, 0.1, 0.0, (3, 5, 2)),  # a round costs 10.5 + 4.5 + 5 sustained passes: 2 s
+        (40.0, 1.0, 0.0, (2, 5, 2)),  # a round costs 17 passes: two fit, three do not
+        (30.0, 1.0, 0.0, (1, 5, 2)),
+        (13.0, 1.0, 0.0, (1, 4, 0)),  # one round: 4 timed passes cost 6 + 3.6 + 2 = 11.6
+        (8.4, 1.0, 0.0, (1, 2, 1)),  # two timed passes and one warm-up: 4.5 + 1.8 + 2 = 8.3
+        (10.0, 1.0, 0.5, (1, 2, 0)),  # 6.8 passes and 6 sleeps of 0.5 s: 9.8
+        (1.0, 1.0, 0.0, (1, 2, 0)),  # never below one round of two repeats
     ],
 )
 def test_fit_passes_cuts_rounds_then_repeats(
-    budget_s: float, pass_s: float, expected: tuple[int, int, int]
+    budget_s: float, pass_s: float, sleep_s: float, expected: tuple[int, int, int]
 ) -> None:
-    assert fit_passes(budget_s, pass_s, 3, 5, 2) == expected
+    assert fit_passes(budget_s, pass_s, 3, 5, 2, sustain_s=0.5, sleep_s=sleep_s) == expected
+
+
+def _fit_seconds(fit: tuple[int, int, int], pass_s: float, sleep_s: float) -> float:
+    """What :func:`fit_passes` charges ``(rounds, repeats, warmup)`` with ``sustain_s=1``."""
+    n, r, w = fit
+    passes = (w + r) * 1.5 + 0.9 * r + max(2.0, 1.0 / pass_s)
+    return n * (passes * pass_s + ((w + r) * 2 + r) * sleep_s)
 
 
 def test_fit_passes_fits_the_budget_whenever_one_round_of_two_can() -> None:
-    for budget_s, pass_s in itertools.product((1.0, 5.0, 12.0, 40.0, 200.0), (0.05, 0.5, 2.0)):
-        rounds, repeats, warmup = fit_passes(budget_s, pass_s, 3, 5, 2)
-        passes = rounds * ((warmup + repeats) * 1.5 + 2 + 0.9 * repeats) + 1
-        if budget_s / pass_s >= 2 * 1.5 + 2 + 0.9 * 2 + 1:
-            assert passes * pass_s <= budget_s + 1e-9
+    grid = itertools.product((1.0, 5.0, 12.0, 40.0, 200.0), (0.05, 0.5, 2.0), (0.0, 0.05))
+    for budget_s, pass_s, sleep_s in grid:
+        fit = fit_passes(budget_s, pass_s, 3, 5, 2, sustain_s=1.0, sleep_s=sleep_s)
+        if _fit_seconds((1, 2, 0), pass_s, sleep_s) <= budget_s:
+            assert _fit_seconds(fit, pass_s, sleep_s) <= budget_s + 1e-9
+        rounds, repeats, warmup = fit
         assert 1 <= rounds <= 3 and 2 <= repeats <= 5 and 0 <= warmup <= 2
 
 
@@ -550,6 +562,23 @@ def test_a_budget_cuts_the_passes_of_a_slow_device(monkeypatch: pytest.MonkeyPat
     _assert_untouched(blocks, before)
     with pytest.raises(ValueError, match="budget_s"):
         measure_blocks(blocks, torch.randn(16, 8), budget_s=0.0)
+
+
+def test_a_budget_counts_what_was_spent_before_the_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_deepcee.runtime.measure.blocks as blocks_module
+
+    given: list[float] = []
+    real = blocks_module.fit_passes
+
+    def recorded(budget_s: float, *args: Any, **kwargs: Any) -> tuple[int, int, int]:
+        given.append(budget_s)
+        return real(budget_s, *args, **kwargs)
+
+    monkeypatch.setattr(blocks_module, "fit_passes", recorded)
+    blocks: list[nn.Module] = [_Sleepy(0.05), _Sleepy(0.05)]
+    measure_blocks(blocks, torch.randn(16, 8), rounds=3, sustain_s=0.0, budget_s=5.0)
+    # The forward that makes the inputs, the memory pass and the probe: 3 x 2 forwards of 50 ms.
+    assert len(given) == 1 and given[0] <= 5.0 - 0.3
 
 
 def test_passes_start_at_random_phases_under_a_quota(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,8 +8,15 @@ import torch
 from torch import nn
 
 from lightning_deepcee.runtime.measure import measure_blocks
-from lightning_deepcee.runtime.measure.alike import alike_classes, pool_alike, timed_blocks
+from lightning_deepcee.runtime.measure.alike import (
+    alike_classes,
+    first_of_classes,
+    pool_alike,
+    share_alike,
+    timed_blocks,
+)
 from lightning_deepcee.runtime.measure.passes import block_inputs
+from lightning_deepcee.runtime.measure.saved import block_memory_bytes
 
 
 class _Layer(nn.Module):
@@ -76,6 +83,8 @@ def test_three_of_a_class_are_timed_and_give_the_figures_of_all() -> None:
     times = [(1.0, 0.0, 1.0), (2.0, 3.0, 4.0), (0.0, 0.0, 0.0), (2.2, 3.1, 40.0), (20.0, 2.9, 4.2)]
     pooled = pool_alike(times, [None, 0, 0, 0, 0], timed={0, 1, 3, 4})
     assert pooled[1:] == [(2.2, 3.0, 4.2)] * 4  # the untimed block's zeros are not read
+    assert first_of_classes([None, 0, 1, 0, 1, None]) == {0, 1, 2, 5}
+    assert share_alike([5, 7, 9, 0, 0, 3], [None, 0, 1, 0, 1, None]) == (5, 7, 9, 7, 9, 3)
 
     calls = [0] * 8
     blocks = _stack(6)
@@ -83,6 +92,13 @@ def test_three_of_a_class_are_timed_and_give_the_figures_of_all() -> None:
         block.register_forward_pre_hook(lambda *_, i=index: calls.__setitem__(i, calls[i] + 1))
     t = measure_blocks(blocks, torch.randn(16, 8), repeats=3, warmup=1, sustain_s=0.0)
     # Layers 1-6 form a class: 1, 3 and 6 run in every pass; 2, 4 and 5 only make the next
-    # block's input and measure their memory.
-    assert calls[2] == calls[4] == calls[5] < 5 < calls[1] == calls[3] == calls[6] == calls[0]
+    # block's input; the memory pass runs block 0, the class's first (1) and block 7.
+    assert calls[2] == calls[4] == calls[5] == 1 < 5 < calls[3] == calls[6]
+    assert calls[0] == calls[1] == calls[7] == calls[3] + 1
     assert len(set(t.forward_s[1:7])) == 1 and len(set(t.backward_s[1:7])) == 1
+    # Alike blocks keep the same tensors: one measured gives the class's memory, as each would.
+    with torch.no_grad():
+        inputs = block_inputs(blocks, torch.randn(16, 8))
+    each = block_memory_bytes(blocks, inputs, None, None, 16)
+    assert (t.saved_bytes, t.transient_bytes) == each
+    assert len(set(each[0][1:7])) == 1 and each[0][1] > 0
