@@ -37,7 +37,6 @@ Pure: numpy, scipy and the standard library (no torch, no lightning).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -57,6 +56,7 @@ from lightning_deepcee.planner.compact_fit import fit_compact_pool
 from lightning_deepcee.planner.evaluator import Evaluator
 from lightning_deepcee.planner.plan import Plan, compact_ranks
 from lightning_deepcee.planner.prediction import CostModelConfig
+from lightning_deepcee.planner.set_scores import quick_step_time, score_sets
 from lightning_deepcee.planner.subsets import (
     SubsetProfiles,
     candidate_subsets,
@@ -115,6 +115,7 @@ def plan_search(
     alternatives: list[Plan] | None = None,
     map_fn: MapFn = serial_map,
     device_sets: dict[tuple[int, ...], DeviceSetScore] | None = None,
+    map_width: int = 1,
 ) -> Plan:
     """Search for the plan with the lowest predicted step time, on the best set of devices.
 
@@ -156,6 +157,9 @@ def plan_search(
             plan sooner.
         device_sets: when given, filled with every device set the search scored (its ranks,
             whole-cluster numbering) and its prediction: why the chosen devices won.
+        map_width: how many calls ``map_fn`` runs at once; the device sets' quick searches go
+            to it in waves of this many (:func:`~.set_scores.score_sets`: the same scores
+            whatever the width).
 
     Returns:
         The best plan; its ``notes`` name the candidate kind and the baselines' predictions,
@@ -202,7 +206,7 @@ def plan_search(
         schedules=generated[:1],
         beam_width=1,
         max_iter=min(max_iter, 1),
-        map_fn=serial_map,  # calls of a few milliseconds: not worth handing out
+        map_fn=serial_map,  # its calls take milliseconds: map_fn gets whole quick searches
     )
     full_searches = 1 if large else FULL_SEARCHES
     everyone = tuple(range(profile.num_devices))
@@ -212,19 +216,7 @@ def plan_search(
     bound = {ranks: compute_bound_s(rates, ranks, global_batch_size) for ranks in subsets}
     most = MAX_SUBSET_SEARCHES // 2 if large else MAX_SUBSET_SEARCHES
     order = [everyone, *sorted(subsets[1:], key=bound.__getitem__)[:most]]
-    scored: dict[tuple[int, ...], float] = {}
     subset_profile = SubsetProfiles(profile)
-
-    def score(ranks: tuple[int, ...], best_so_far: float) -> None:
-        if ranks in scored or bound.get(ranks, 0.0) >= best_so_far:
-            return  # scored already, or its compute bound cannot beat what is found
-        with contextlib.suppress(ValueError):  # a set that cannot hold the model is skipped
-            scored[ranks] = quick(subset_profile(ranks)).predicted_step_time_s
-
-    for ranks in order:
-        if scored and bound[ranks] >= min(scored.values()):
-            break
-        score(ranks, math.inf)
     # Each zone (network group) alone is scored too, most promising first while its bound can
     # beat the best zone: the compute bound ignores the links, so sets across a slow WAN rank
     # above a zone they cannot beat, and the cap above may leave every zone out.
@@ -232,8 +224,15 @@ def plan_search(
         zone = tuple(sorted(group))
         bound.setdefault(zone, compute_bound_s(rates, zone, global_batch_size))
     zones = sorted((tuple(sorted(g)) for g in groups.network_groups), key=bound.__getitem__)[:most]
-    for ranks in zones:
-        score(ranks, min((scored[z] for z in zones if z in scored), default=math.inf))
+    scored = score_sets(
+        order,
+        zones,
+        bound,
+        score=functools.partial(quick_step_time, quick),
+        profiles=subset_profile,
+        map_fn=map_fn,
+        width=map_width,
+    )
     if not scored:
         return search(profile)  # raises the whole cluster's reason
     finalists = sorted(scored, key=scored.__getitem__)[:full_searches]

@@ -30,12 +30,15 @@ T = TypeVar("T")
 
 def spread_plan_search(profile: ClusterProfile, **options: Any) -> Plan:
     """``plan_search(profile, **options)`` run by rank 0 with its independent calls spread over
-    every rank of the default group, weighted by the devices' measured capability; every rank
-    returns the plan (``options["alternatives"]``, when given, is filled on rank 0 only)."""
+    every rank of the default group, weighted by the devices' measured capability (the device
+    sets' quick searches in waves of one per rank); every rank returns the plan
+    (``options["alternatives"]``, when given, is filled on rank 0 only)."""
     weights = [device.capability for device in sorted(profile.devices, key=lambda d: d.rank)]
 
+    width = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
     def search(map_fn: MapFn) -> dict[str, Any]:
-        return plan_search(profile, map_fn=map_fn, **options).to_dict()
+        return plan_search(profile, map_fn=map_fn, map_width=width, **options).to_dict()
 
     return Plan.from_dict(spread(search, weights))
 

@@ -64,6 +64,7 @@ def test_a_spread_search_finds_the_serial_plan(case: int) -> None:
         global_batch_size=batch,
         alternatives=spread_alternatives,
         map_fn=mapper,
+        map_width=4,  # the device sets' quick searches too, four at a time
     )
     assert max(mapper.sizes) > 1  # the search handed calls out
     assert spread_plan.to_dict() == serial.to_dict()
