@@ -39,11 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import random
 from collections.abc import Sequence
-
-import numpy as np
 
 from lightning_deepcee.planner.candidates import (
     Candidate,
@@ -54,6 +51,7 @@ from lightning_deepcee.planner.candidates import (
 )
 from lightning_deepcee.planner.compact_fit import fit_compact_pool
 from lightning_deepcee.planner.evaluator import Evaluator
+from lightning_deepcee.planner.infeasible import infeasible
 from lightning_deepcee.planner.plan import Plan, compact_ranks
 from lightning_deepcee.planner.prediction import CostModelConfig
 from lightning_deepcee.planner.set_scores import quick_step_time, score_sets
@@ -367,7 +365,7 @@ def _search_devices(
     context = _search_context(
         profile, global_batch_size, schedules, microbatch_candidates, memory_check, config
     )
-    baselines = _baselines(context, max_iter)
+    baselines = _baselines(context, max_iter, map_fn)
     finalists = dict(baselines)
     units, note = network_units(context, grouping, limit)
     layouts = search_units(
@@ -376,7 +374,7 @@ def _search_devices(
     if layouts:
         finalists["deepcee"] = layouts[0]
     if not finalists:
-        raise _infeasible(context)
+        raise infeasible(context)
     name, best = min(finalists.items(), key=lambda item: item[1].step_time_s)
     fitted_note = ""
     if "compact" in schedules:
@@ -535,64 +533,20 @@ def _check_request(profile: ClusterProfile, num_blocks: int, schedules: Sequence
         )
 
 
-def _baselines(context: SearchContext, max_iter: int) -> dict[str, Candidate]:
+def _baselines(
+    context: SearchContext, max_iter: int, map_fn: MapFn = serial_map
+) -> dict[str, Candidate]:
+    """The best data-parallel and plain-pipeline candidates, each found by its own call of
+    ``map_fn`` (absent when it does not fit)."""
     n = context.profile.num_devices
-    out: dict[str, Candidate] = {}
     structures: dict[str, Structure] = {"data_parallel": (tuple(range(n)),)}
     if n <= context.profile.num_blocks and n > 1:
         structures["pipeline"] = tuple((r,) for r in range(n))
-    for name, structure in structures.items():
-        ranges = context.partition(structure)
-        if ranges is None:
-            continue
-        scored = context.best_over_pairs(structure, ranges)
-        if scored is not None:
-            out[name] = context.refine(scored, max_iter)
-    return out
+    found = map_fn(functools.partial(_baseline, context, max_iter), list(structures.values()))
+    return {name: c for name, c in zip(structures, found, strict=True) if c is not None}
 
 
-def _infeasible(context: SearchContext) -> ValueError:
-    """Why no candidate fits in memory, and what to change."""
-    arrays = context.evaluator.arrays
-    copies = context.evaluator.config.state_copies
-    largest_memory = float(arrays.memory.max())
-    per_block = np.diff(arrays.parameter_prefix) * copies
-    total = float(arrays.parameter_prefix[-1]) * copies
-    n = context.profile.num_blocks
-    gib = 2.0**30
-    one_sample = np.diff(arrays.saved_prefix) + np.diag(arrays.transient_peak, 1)
-    more_counts = (
-        f" and up to {context.memory_counts[-1]} where those did not fit"
-        if context.memory_counts
-        else ""
-    )
-    advice = (
-        "Use a smaller global batch or add devices with more memory"
-        if context.memory_counts
-        else "Use more micro-batches or a smaller global batch"
-    )
-    if (per_block + one_sample).max() > largest_memory:
-        block = int((per_block + one_sample).argmax())
-        return ValueError(
-            f"No plan fits in memory: block {block} alone needs {per_block[block] / gib:.2f} GiB "
-            f"of parameter state ({copies} copies of its parameters) and "
-            f"{one_sample[block] / gib:.2f} GiB of activations for one sample, but the largest "
-            f"device has {largest_memory / gib:.2f} GiB. Split the model into smaller blocks or "
-            "add memory."
-        )
-    needed = math.ceil(total / largest_memory)
-    if needed > n:
-        return ValueError(
-            f"No plan fits in memory: the model's parameter state ({total / gib:.2f} GiB) needs at "
-            f"least {needed} pipeline stages on the largest device ({largest_memory / gib:.2f} "
-            f"GiB) but the model has only {n} blocks (fewer blocks than needed stages). Expose "
-            "more, smaller blocks, or add devices with more memory."
-        )
-    return ValueError(
-        f"No plan fits in memory: every candidate (pure data parallelism, a plain pipeline and "
-        f"the network-group pipelines, with {list(context.microbatch_counts)} micro-batches"
-        f"{more_counts}) "
-        f"exceeds some device's memory (smallest device: {float(arrays.memory.min()) / gib:.2f} "
-        f"GiB; model parameter state: {total / gib:.2f} GiB). {advice}, or pass memory_check=False "
-        "to plan anyway."
-    )
+def _baseline(context: SearchContext, max_iter: int, structure: Structure) -> Candidate | None:
+    ranges = context.partition(structure)
+    scored = None if ranges is None else context.best_over_pairs(structure, ranges)
+    return None if scored is None else context.refine(scored, max_iter)
