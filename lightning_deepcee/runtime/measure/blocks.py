@@ -215,12 +215,12 @@ def measure_blocks(
     with RestoredState(blocks), torch.random.fork_rng(devices=rng_devices):
         inputs = block_inputs(blocks, sample_input)
         classes = alike_classes(blocks, inputs, last_has_loss=loss_fn is not None)
-        timed = timed_blocks(classes)
         memory = _memory(blocks, inputs, classes, loss_fn, sample_batch, size)
         jitter = _quota_period_s(device)
+        round_ = _Round(blocks, inputs, classes, loss_fn, sample_batch, jitter)
         if budget_s is not None:
             start = time.perf_counter()
-            time_pass(blocks, inputs, loss_fn, sample_batch, only=timed)  # the probe pass
+            time_pass(blocks, inputs, loss_fn, sample_batch, only=round_.timed)  # the probe pass
             pass_s = time.perf_counter() - start
             rounds, repeats, warmup = fit_passes(
                 budget_s - (time.perf_counter() - began),
@@ -231,7 +231,6 @@ def measure_blocks(
                 sustain_s=sustain_s,
                 sleep_s=jitter / 2,
             )
-        round_ = _Round(blocks, inputs, classes, timed, loss_fn, sample_batch, jitter)
         measured = [round_.measure(repeats, warmup, sustain_s, memory) for _ in range(rounds)]
     return _median_timings(measured)
 
@@ -311,21 +310,22 @@ def _median_timings(rounds: Sequence[BlockTimings]) -> BlockTimings:
 
 class _Round:
     """One round of :func:`measure_blocks` over prepared blocks (arguments already checked):
-    ``inputs`` from :func:`block_inputs`, ``classes`` and ``timed`` from
-    :func:`alike_classes` and :func:`timed_blocks`, ``jitter`` the quota period
-    (:func:`_quota_period_s`). The caller restores the model's state and forks the RNG."""
+    ``inputs`` from :func:`block_inputs`, ``classes`` from :func:`alike_classes`, ``jitter`` the
+    quota period (:func:`_quota_period_s`); it times the :func:`timed_blocks` of the classes.
+    The caller restores the model's state and forks the RNG."""
 
     def __init__(
         self,
         blocks: list[nn.Module],
         inputs: list[Any],
         classes: list[int | None],
-        timed: frozenset[int],
         loss_fn: LossFn | None,
         sample_batch: Any,
         jitter: float,
     ) -> None:
-        self.blocks, self.inputs, self.classes, self.timed = blocks, inputs, classes, timed
+        self.blocks, self.inputs, self.classes = blocks, inputs, classes
+        self.timed = timed_blocks(classes)
+        self.size = value_rows(inputs[0], "sample_input")
         self.loss_fn, self.sample_batch, self.jitter = loss_fn, sample_batch, jitter
 
     def _fastest(
@@ -352,8 +352,7 @@ class _Round:
     ) -> BlockTimings:
         """The round's timings; ``memory``: the saved and transient bytes (measured once)."""
         blocks, inputs, classes, timed = self.blocks, self.inputs, self.classes, self.timed
-        loss_fn, sample_batch = self.loss_fn, self.sample_batch
-        size = value_rows(inputs[0], "sample_input")
+        loss_fn, sample_batch, size = self.loss_fn, self.sample_batch, self.size
         split = self._fastest(inputs, sample_batch, repeats, warmup)
         fastest = pool_alike(split, classes, timed)
         small = max(2, size // 4)
