@@ -124,6 +124,7 @@ def deepcee_summary(st: DeepCEEStrategy) -> dict[str, Any]:
         "num_microbatches": st.num_microbatches,
         "placement": [list(ranks) for ranks in st.where.stages],
         "setup_s": st.setup_seconds,
+        "trial_cost_s": st.trial.cost_s,
     }
     if st.plan is not None:
         out["schedule"] = st.plan.schedule
@@ -710,6 +711,9 @@ def render(result: dict[str, Any]) -> str:
     errors: list[str] = []
     notes: list[str] = []
     setups: list[str] = []
+    # Runs from before the trial trained (its whole time a set-up part) have no trial cost.
+    runs = [r for entry in systems.values() for r in entry.get("runs", [])]
+    with_cost = any("trial_cost_s" in r for r in runs)
     for s in order:
         runs = systems[s]["runs"]
         st = _stats(runs)
@@ -728,7 +732,7 @@ def render(result: dict[str, Any]) -> str:
                     f"| {(predicted - median) / median:+.0%} | {max(window) * 1e3:.0f} |"
                 )
             if r.get("setup_s"):
-                setups.append(_setup_row(s, r))
+                setups.append(_setup_row(s, r, with_cost))
             if r.get("global_batch", cfg["global_batch"]) != cfg["global_batch"]:
                 note = (
                     f"`{s}` runs global batch {r['global_batch']}, the multiple of its "
@@ -768,7 +772,21 @@ def render(result: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|---|",
             *errors,
         ]
-    if setups:
+    if setups and with_cost:
+        lines += [
+            "",
+            "Set-up on rank 0 before the first step (`DeepCEE: set-up` line), in seconds: "
+            "profiling (the slowest device's block timings, then the links), planning, building, "
+            "the plan trial's set-up part (choosing the rivals; blank: none ran); then what the "
+            "trial's training steps cost beyond the winner's pace, moves included "
+            "(`PlanTrial.cost_s`; 0: no trial ran), and the two summed.",
+            "",
+            "| system | run | set-up | profile | blocks | network | plan | build | trial "
+            "| trial cost | set-up + trial cost |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+            *setups,
+        ]
+    elif setups:
         lines += [
             "",
             "Set-up on rank 0 before the first step (`DeepCEE: set-up` line), in seconds: "
@@ -782,10 +800,13 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _setup_row(system: str, run: dict[str, Any]) -> str:
+def _setup_row(system: str, run: dict[str, Any], with_cost: bool) -> str:
     parts = run["setup_s"]
     total = sum(v for k, v in parts.items() if k in ("profile", "plan", "build", "trial"))
     cells = [f"{parts[k]:.1f}" if k in parts else "" for k in SETUP_PARTS]
+    if with_cost:
+        cost = run.get("trial_cost_s", 0.0)
+        cells += [f"{cost:.1f}", f"{total + cost:.1f}"]
     return f"| {system} | {run.get('run', '?')} | {total:.1f} | " + " | ".join(cells) + " |"
 
 

@@ -157,6 +157,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         """Actions the clock reverted, with the link states they were taken under (JSON)."""
         self._deferred: list[dict[str, Any]] = []
         self._last_batch_end: float | None = None
+        self._after_trial = False
         self._exchange_group: Any = None
 
     # ------------------------------------------------------------------------------ hooks
@@ -178,8 +179,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         assert strategy.plan is not None  # set up before training starts
         if self.monitor is None or self._pairs != plan_pairs(strategy.plan):
             self.new_monitor(strategy)
-        if replanner.floor_s is None and replanner.replanned is None:
-            replanner.floor_s = _setup_floor(strategy)
+        replanner.set_floor(strategy)
         self.guard.settle()
         self._last_batch_end = time.perf_counter()
         if strategy.cluster_profile is None:
@@ -192,6 +192,13 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
     @override
     def after_train_step(self, trainer: pl.Trainer) -> None:
         strategy = _deepcee(trainer)
+        if strategy.trial_running:  # the plan trial moves the layout: watch the one it leaves
+            self._after_trial = True
+            return
+        if self._after_trial:  # as from the start, on the trial's layout and micro-batches
+            self._after_trial, self.replanner.floor_s = False, None
+            self.split_state.split, self.split_state.base_microbatches = 1, None
+            self.on_train_start(trainer, trainer.lightning_module)
         if self.monitor is None:
             return
         step = trainer.global_step
@@ -581,17 +588,6 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         self._deferred = list(state_dict["deferred"])
         self.replanner.floor_s = state_dict.get("floor_s")
         self.comeback.load_state_dict(state_dict.get("comeback"))
-
-
-def _setup_floor(strategy: AdaptableStrategy) -> float | None:
-    """The running plan's predicted step time on the strategy's profile when the planner chose
-    it (not a manual layout); the re-plan search's floor (:class:`Replanner`)."""
-    from lightning_deepcee.planner.cost_model import predict_plan
-
-    plan, profile = strategy.plan, strategy.cluster_profile
-    if plan is None or profile is None or plan.notes == "manual layout":
-        return None
-    return float(predict_plan(profile, plan).step_time_s)
 
 
 def _deepcee(trainer: pl.Trainer) -> AdaptableStrategy:

@@ -444,6 +444,11 @@ class Replanner:
             strategy.cluster_profile = saved  # the profile the restored plan was made for
 
     # ----------------------------------------------------------------------- the clock
+    def set_floor(self, strategy: AdaptableStrategy) -> None:
+        """Take setup's floor from the running plan, unless a re-plan or a resume set it."""
+        if self.floor_s is None and self.replanned is None:
+            self.floor_s = _setup_floor(strategy)
+
     def note_clock(self, strategy: AdaptableStrategy, step: int) -> None:
         """Take the running configuration's clock reference, once: the guard's median step over
         a whole window and the model's prediction for it, while every link is as profiled.
@@ -581,3 +586,14 @@ def searcher(plan: Any, profile: Any, exclude: Collection[int] = ()) -> int:
         return 0.0 if device is None else float(device.capability)
 
     return max(idle, key=lambda rank: (speed(rank), -rank))
+
+
+def _setup_floor(strategy: AdaptableStrategy) -> float | None:
+    """The running plan's predicted step time on the strategy's profile when the planner chose
+    it (not a manual layout); the re-plan search's floor (:class:`Replanner`)."""
+    from lightning_deepcee.planner.cost_model import predict_plan
+
+    plan, profile = strategy.plan, strategy.cluster_profile
+    if plan is None or profile is None or plan.notes == "manual layout":
+        return None
+    return float(predict_plan(profile, plan).step_time_s)

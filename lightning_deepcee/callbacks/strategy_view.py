@@ -49,6 +49,11 @@ class AdaptableStrategy(Protocol):
         ...
 
     @property
+    def trial_running(self) -> bool:
+        """Whether the plan trial runs: the layout changes at the coming step boundaries."""
+        ...
+
+    @property
     def global_rank(self) -> int: ...
 
     @property

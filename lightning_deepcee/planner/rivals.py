@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+import statistics
 from collections.abc import Sequence
 
 from lightning_deepcee.planner.candidates import Candidate, SearchContext
@@ -37,7 +39,9 @@ from lightning_deepcee.profiler.data import ClusterProfile
 __all__ = [
     "RACE_MARGIN",
     "RIVAL_WITHIN",
+    "TRIAL_STEPS",
     "TRIAL_WIN",
+    "TrialRace",
     "choose_rivals",
     "out_of_race",
     "pick_timed",
@@ -57,6 +61,10 @@ RACE_MARGIN = 0.30
 """A rival stops being timed once its fastest step so far is this fraction (beyond
 ``device_gain``) slower than the fastest plan's median: one stalled step seldom costs that much,
 and a plan that slow is never picked."""
+
+TRIAL_STEPS = 3
+"""Timed training steps per candidate. The first after a move also allocates the layout's
+buffers and reads slower; the median of three sets it aside."""
 
 RIVAL_SCHEDULES = ("1f1b", "zb-h1")
 """The generated schedules a rival may run (a compact plan's actions are fitted to its own
@@ -222,6 +230,52 @@ def out_of_race(steps_s: Sequence[float], fastest_s: float, device_gain: float) 
     ``fastest_s`` (the fastest median timed before it) by more than ``device_gain`` (what
     :func:`pick_timed` still accepts) plus :data:`RACE_MARGIN`."""
     return bool(steps_s) and min(steps_s) > fastest_s * (1 + device_gain + RACE_MARGIN)
+
+
+@dataclasses.dataclass(slots=True)
+class TrialRace:
+    """The plan trial's bookkeeping: the candidates (index 0 the searched plan) run one after
+    the other, each for up to :data:`TRIAL_STEPS` timed steps (fewer once :func:`out_of_race`,
+    judged on the steps after its first), then :func:`pick_timed` names the one that trains.
+    Every rank holds one and feeds it the same figures, so all take the same moves."""
+
+    plans: list[Plan]
+    device_gain: float
+    steps: list[list[float]] = dataclasses.field(default_factory=lambda: [[]])
+    """Each candidate's timed steps in seconds, so far; the last list is the running one's."""
+    winner: int | None = None
+    """The index of the plan that trains, once every candidate ran."""
+
+    @property
+    def running(self) -> int:
+        """The index of the candidate being timed (the winner once the race is over)."""
+        return self.winner if self.winner is not None else len(self.steps) - 1
+
+    @property
+    def medians(self) -> list[float]:
+        """Each finished candidate's median step (the running one's too, once it has steps)."""
+        return [statistics.median(s) for s in self.steps if s]
+
+    def record(self, seconds: float) -> int | None:
+        """Add a timed step of the running candidate. Returns the index of the plan to run
+        from the next step (the next candidate, or the winner when the race ends; it may be the
+        running one), or ``None`` while the running candidate has steps to go."""
+        if self.winner is not None:
+            raise RuntimeError("TrialRace.record after the race ended")
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"TrialRace.record: a step of {seconds!r} s")
+        steps = self.steps[-1]
+        steps.append(seconds)
+        done = self.medians[:-1]
+        fastest = min(done, default=None)
+        out = fastest is not None and out_of_race(steps[1:], fastest, self.device_gain)
+        if len(steps) < TRIAL_STEPS and not out:
+            return None
+        if len(self.steps) < len(self.plans):
+            self.steps.append([])
+            return len(self.steps) - 1
+        self.winner = pick_timed(self.plans, self.medians, self.device_gain)
+        return self.winner
 
 
 def _near(ranges: Ranges) -> list[Ranges]:

@@ -20,6 +20,7 @@ naming, the recovery; the set-up steps (profile, plan, build, trial) are functio
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -36,7 +37,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_deepcee._compat import PATH, fit_dataloader, set_default_timeout
+from lightning_deepcee._compat import PATH, set_default_timeout
 from lightning_deepcee.planner import DEVICE_GAIN, Plan
 from lightning_deepcee.planner.compression import allowed_methods
 from lightning_deepcee.profiler import ClusterProfile, DeviceGroups
@@ -61,7 +62,7 @@ from lightning_deepcee.strategy.module_checks import (
 )
 from lightning_deepcee.strategy.placement import Placement
 from lightning_deepcee.strategy.plan_checks import check_replacement, running_plan
-from lightning_deepcee.strategy.plan_trial import trial_plans
+from lightning_deepcee.strategy.plan_trial import PlanTrial
 from lightning_deepcee.strategy.precision import wrap_precision
 from lightning_deepcee.strategy.recovery import InProcessRecovery
 from lightning_deepcee.strategy.reporting import (
@@ -71,7 +72,7 @@ from lightning_deepcee.strategy.reporting import (
     warn_at_setup,
 )
 from lightning_deepcee.strategy.setup_plan import initial_plan, keep_plan, save_setup_record
-from lightning_deepcee.strategy.setup_profile import ProfileSettings, profile_at_setup
+from lightning_deepcee.strategy.setup_profile import ProfileSettings, profile_strategy
 from lightning_deepcee.strategy.stage_part import PipelineStagePart
 from lightning_deepcee.strategy.step_log import StepLog
 
@@ -139,8 +140,8 @@ class DeepCEEStrategy(DDPStrategy):
         device_gain: the automatic plan uses more devices than another only when predicted at
             least this fraction faster (``plan_search``); 0 takes the fastest prediction.
         plan_trial: the automatic plan and up to ``plan_trial - 1`` rivals predicted within 10%
-            of it each run a few steps at setup on the first batch, without optimizer steps, and
-            the clock picks what trains (``plan_trial.py``); 1 trains the searched plan untimed.
+            of it each train the fit's first steps in turn, 3 each, and the fastest by the clock
+            trains on (``plan_trial.py``); 1 trains the searched plan untimed.
         compression: what the automatic plan may do to the float32 tensors crossing a pipeline
             hop in training: ``"off"`` (exact), ``"auto"`` (``bf16`` or ``tah8`` per hop where
             the link makes it pay) or method names, e.g. ``["tah8"]`` (docs/compression.md).
@@ -217,7 +218,8 @@ class DeepCEEStrategy(DDPStrategy):
         self.verbose, self.freeze_gc = verbose, freeze_gc
         self.device_gain, self.plan_trial = device_gain, plan_trial
         self.compression = allowed_methods(compression)  # the methods a hop may use
-        self.plan_alternatives: list[Plan] = []  # rank 0: the search's runners-up, for the trial
+        self.trial = PlanTrial(plan_trial)
+        """The plan trial, run on the first training steps (``plan_trial.py``)."""
         self.last_step_stats: StepStats | None = None
         self.stage_part = PipelineStagePart(
             num_microbatches=self._manual.num_microbatches, receive_ahead=receive_ahead
@@ -271,6 +273,11 @@ class DeepCEEStrategy(DDPStrategy):
     def num_replicas(self) -> int:
         """Data-parallel pipeline replicas, each reading its own shard of the data."""
         return self.where.num_replicas
+
+    @property
+    def trial_running(self) -> bool:
+        """Whether the plan trial runs: the layout changes at the coming step boundaries."""
+        return self.trial.running(self.plan)
 
     @property
     def is_idle(self) -> bool:
@@ -349,17 +356,8 @@ class DeepCEEStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         timer = SetupTimer()
         if self.profile and fitting:
-            with timer("profile"):  # blocks are timed where they will run: on root_device
-                self.model_to_device()
-                found = profile_at_setup(
-                    trainer,
-                    self.batch_to_device(next(iter(fit_dataloader(trainer)))),
-                    spec=spec,
-                    num_microbatches=self.num_microbatches,
-                    device=self.root_device,
-                    world_size=self.world_size,
-                    settings=self.profile_settings,
-                )
+            with timer("profile"):
+                found = profile_strategy(self, trainer, spec)
                 self.cluster_profile, self.device_groups = found.profile, found.groups
                 self._global_batch_size = found.global_batch_size
                 timer.detail["profile"] = found.parts
@@ -376,14 +374,12 @@ class DeepCEEStrategy(DDPStrategy):
                 running=None if fitting else self.plan,
                 device_cache=self.profile_settings.device_cache,
             )
-            if choice.alternatives is not None:
-                self.plan_alternatives = choice.alternatives
         with timer("build"):
             build_layout(self, choice.plan, trainer)
-        if fitting and self.plan_arg == "auto" and self.plan_trial > 1 and not choice.kept:
-            with timer("trial"):
-                trial_plans(self, trainer, self.plan_trial)
-        keep_plan(choice, self.plan, self.is_global_zero)
+        if fitting and self.plan_arg == "auto" and not choice.kept:
+            with timer("trial"):  # rivals chosen here; they train in the first steps
+                keep = functools.partial(keep_plan, choice, writer=self.is_global_zero)
+                self.trial.prepare(self, choice.alternatives or [], keep)
         self._pending_grads = None
         if fitting:
             timer.report(trainer)
@@ -522,7 +518,10 @@ class DeepCEEStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        self.checkpointer.begin_step(self._trainer(), self.is_global_zero)
+        trainer = self._trainer()
+        self.checkpointer.begin_step(trainer, self.is_global_zero)
+        if trainer is not None:
+            self.trial.at_step_start(self, trainer)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -548,6 +547,7 @@ class DeepCEEStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self.trial.at_fit_end()
         self._gc.unfreeze()
         self.failures.stop()
         super().teardown()

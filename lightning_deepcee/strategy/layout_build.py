@@ -5,8 +5,8 @@ module, makes the process groups and the executors and moves the training state;
 owns is done here, through the strategy's public Lightning API (:class:`BuildHost`): putting the
 module on its device under the precision plugin, (re)creating the optimizers, and loading the
 re-partitioned state. :func:`build_layout` is the one path used by setup, re-plan, resume and
-the plan trial; :func:`relayout_from` is ``DeepCEEStrategy.apply_plan`` and the plan trial's
-move to the plan that trains.
+the plan trial; :func:`relayout_from` is ``DeepCEEStrategy.apply_plan`` (a re-plan, a move of
+the plan trial).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from lightning_deepcee.profiler import ClusterProfile
 from lightning_deepcee.runtime.layout_text import layout_line
 from lightning_deepcee.strategy.stage_part import PipelineStagePart, ShardSource
 
-__all__ = ["BuildHost", "build_for_timing", "build_layout", "live_shard", "relayout_from"]
+__all__ = ["BuildHost", "build_layout", "live_shard", "relayout_from"]
 
 
 class BuildHost(Protocol):
@@ -137,8 +137,8 @@ def relayout_from(
     why: str,
 ) -> None:
     """``DeepCEEStrategy.apply_plan`` from ``source``, whose first device of each stage holds
-    its part of the training state in ``shard_of()``: the running layout, or one the plan trial
-    saved before building layouts whose weights are not the training state. Collective:
+    its part of the training state in ``shard_of()`` (the running layout, :func:`live_shard`).
+    Collective:
 
     1. ``host.check_plan`` (local, so a bad plan raises on every rank before anything moves);
     2. the first device of every stage copies its stage's part of the training state to host
@@ -181,18 +181,8 @@ def live_shard(host: BuildHost) -> dict[str, Any]:
         "lr_schedulers": [c.scheduler.state_dict() for c in host.lr_scheduler_configs],
         "optimizer_param_names": host.stage_part.optimizer_param_names(host.optimizers),
     }
-    # A copy, not a view: on a CPU device ``.cpu()`` returns the live tensor, and the plan trial
-    # keeps this shard while rivals overwrite this rank's blocks (a replica takes its stage's
+    # A copy, not a view: on a CPU device ``.cpu()`` returns the live tensor, which the new
+    # layout's build may overwrite while the shard is still read (a replica takes its stage's
     # first device's copy). Pickling a CUDA tensor would unpickle it on the receiver's GPU of the
     # same index, so the copy is on the host.
     return apply_to_collection(shard, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
-
-
-def build_for_timing(host: BuildHost, plan: Plan, trainer: pl.Trainer) -> None:
-    """Build ``plan`` from the copies of the blocks this rank holds, moving no state (each
-    stage's replicas take its first device's copy): the weights are not the training state,
-    the shapes and the work are. The plan trial times layouts so, and then
-    :func:`relayout_from` the layout whose state it saved. Collective."""
-    host.check_plan(plan)
-    host.stage_part.restore_blocks()
-    build_layout(host, plan, trainer)

@@ -1,73 +1,57 @@
-"""The plan trial of ``DeepCEEStrategy`` set-up: the clock picks among plans the model cannot rank.
+"""The plan trial: the clock picks among plans the cost model cannot rank, on steps that train.
 
-The searched plan and its rivals, predicted within 10% of it (inside the cost model's error):
-the search's best plans of another structure (another device set, stage count, schedule or
-micro-batch count; ``plan_search(alternatives=...)``) and the near layouts (block boundaries
-moved, another schedule or micro-batch count on the same devices;
-:func:`~lightning_deepcee.planner.rivals.choose_rivals`), each run a few
-whole pipeline steps on the first training batch, forward and backward, no optimizer step; the
-fastest by the clock is built for training. A rival is built from the copies of the blocks each
-rank already holds (``layout_build.build_for_timing``): no state crosses the links, since a
-step's time depends on the layout and the shapes, not on the weights' values. The first device
-of each of the searched plan's stages keeps its part of the training state meanwhile, and the
-plan that trains receives it from there (``layout_build.relayout_from``, the re-plan path):
-exact, so the weights training starts from are the ones the searched plan would have started
-from. Each timed step is the stage part's one step function
-(:meth:`~lightning_deepcee.strategy.stage_part.PipelineStagePart.run`).
+At set-up rank 0 chooses the searched plan's rivals, predicted within 10% of it (inside the
+cost model's error): the search's best plans of another structure (another device set, stage
+count, schedule or micro-batch count; ``plan_search(alternatives=...)``) and the near layouts
+(block boundaries moved, another schedule or micro-batch count on the same devices;
+:func:`~lightning_deepcee.planner.rivals.choose_rivals`); every rank receives them. The trial
+then runs on the fit's first optimizer steps: the searched plan trains
+:data:`~lightning_deepcee.planner.rivals.TRIAL_STEPS` steps, then each rival in turn
+(``DeepCEEStrategy.apply_plan`` moves the training state to it), and the fastest by the clock
+trains on (:class:`~lightning_deepcee.planner.rivals.TrialRace`). Every trial step is a step of
+the fit, with its optimizer step: any layout computes the whole batch's gradient and a move
+carries the state bit for bit, so training is exactly what the winner alone would have done.
+What the trial costs is the moves and what its slower candidates took beyond the winner's pace
+(:attr:`PlanTrial.cost_s`).
 
-Nothing of a trial step stays: gradients are dropped, the random number generators are put back
-(dropout draws and the data loader's shuffle are as without a trial), and a model whose buffers
-a step changes (running statistics) stops the trial at its first step, with its buffers put
-back, and trains on the searched plan.
+A step's time is the time between two step boundaries on each rank (the strategy's
+``on_train_batch_start`` where ``global_step`` moved on: one optimizer step, whatever
+``accumulate_grad_batches``), averaged over the ranks by one all-reduce, so every rank takes
+the same moves at the same boundary. The trial ends early, leaving the layout as it is, when
+something else changes the layout (a re-plan restored on resume, a recovery after a lost
+device, a callback's ``apply_plan``), and it is skipped when the fit has fewer than twice its
+steps left. ``DynamicEnvironmentAdapter`` waits while it runs (``DeepCEEStrategy.trial_running``).
 """
 
 from __future__ import annotations
 
-import random
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_deepcee._compat import fit_dataloader
 from lightning_deepcee.planner import CostModelConfig, Plan
 from lightning_deepcee.planner.rivals import (
     RACE_MARGIN,
     RIVAL_WITHIN,
+    TRIAL_STEPS,
+    TrialRace,
     choose_rivals,
-    out_of_race,
-    pick_timed,
 )
 from lightning_deepcee.profiler import ClusterProfile
-from lightning_deepcee.runtime.batch_statistics import batch_dependent_modules
 from lightning_deepcee.runtime.layout_text import layout_line
 from lightning_deepcee.runtime.transport import all_reduce_
-from lightning_deepcee.strategy.layout_build import (
-    BuildHost,
-    build_for_timing,
-    live_shard,
-    relayout_from,
-)
 
-__all__ = ["TRIAL_STEPS", "TrialStrategy", "trial_plans"]
-
-TRIAL_STEPS = 3
-"""Timed steps per candidate. The first also allocates the layout's buffers and reads slower;
-the median of three sets it aside without a step that is thrown away."""
+__all__ = ["PlanTrial", "TrialStrategy"]
 
 
-class TrialStrategy(BuildHost, Protocol):
-    """What the plan trial uses of the strategy (``DeepCEEStrategy`` provides it): the running
-    plan and what the search found, and what building a layout uses (its stage part, whose one
-    step function the trial times, and Lightning's own API)."""
+class TrialStrategy(Protocol):
+    """What the plan trial uses of the strategy (``DeepCEEStrategy`` provides it)."""
 
     cluster_profile: ClusterProfile | None
-    plan_alternatives: list[Plan]
     device_gain: float
     compression: tuple[str, ...]
 
@@ -77,164 +61,144 @@ class TrialStrategy(BuildHost, Protocol):
     @property
     def is_global_zero(self) -> bool: ...
 
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
     def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
-    def batch_to_device(self, batch: Any, device: torch.device | None = ...) -> Any: ...
+    def apply_plan(self, plan: Plan, trainer: pl.Trainer, why: str = ...) -> None: ...
 
 
-def trial_plans(strategy: TrialStrategy, trainer: pl.Trainer, count: int) -> Plan:
-    """Time the running (searched) plan and up to ``count - 1`` rivals; build the fastest and
-    return it. Collective: every rank calls it right after the searched plan is built."""
-    plan, part = strategy.plan, strategy.stage_part
-    assert plan is not None and part.spec is not None
-    if count < 2 or strategy.cluster_profile is None:
-        return plan
-    found: list[dict[str, Any]] = []
-    if strategy.is_global_zero:
-        rivals = choose_rivals(
-            strategy.cluster_profile,
-            plan,
-            strategy.plan_alternatives,
-            count - 1,
-            config=CostModelConfig(compression=strategy.compression),
-        )
-        found = [rival.to_dict() for rival in rivals]
-    rivals = [Plan.from_dict(d) for d in strategy.broadcast(found)]
-    if not rivals:
+class PlanTrial:
+    """The plan trial of one fit: chosen at set-up (:meth:`prepare`), run at the step
+    boundaries (:meth:`at_step_start`); ``on_chosen`` receives the plan that trains once the
+    clock has picked it (set-up keeps it for the next start on the same profile)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        """The searched plan and up to ``count - 1`` rivals run; 1: no trial."""
+        self.race: TrialRace | None = None
+        """The race under way (``None`` before, after, or without one)."""
+        self.cost_s = 0.0
+        """What the last trial cost: its moves, and its steps' time beyond the winner's pace."""
+        self._on_chosen: Callable[[Plan], None] = lambda plan: None
+        self._built: Plan | None = None  # the layout the trial runs now
+        self._step: int | None = None  # global_step at the last boundary
+        self._clock: float | None = None  # when the running step began
+        self._moves_s = 0.0
+
+    def running(self, plan: Plan | None) -> bool:
+        """Whether the trial runs on the layout ``plan`` (the running one)."""
+        return self.race is not None and plan is not None and plan is self._built
+
+    def prepare(
+        self, strategy: TrialStrategy, alternatives: list[Plan], on_chosen: Callable[[Plan], None]
+    ) -> None:
+        """Choose the rivals of the running (searched) plan on rank 0 and share them; a trial
+        starts with the fit's first step when there are any, else ``on_chosen`` gets the plan
+        now. Collective: every rank calls it right after the searched plan is built."""
+        plan = strategy.plan
+        assert plan is not None
+        self.race, self.cost_s, self._on_chosen = None, 0.0, on_chosen
+        if self.count < 2 or strategy.cluster_profile is None:
+            on_chosen(plan)
+            return
+        found: list[dict[str, Any]] = []
+        if strategy.is_global_zero:
+            config = CostModelConfig(compression=strategy.compression)
+            rivals = choose_rivals(
+                strategy.cluster_profile, plan, alternatives, self.count - 1, config=config
+            )
+            found = [rival.to_dict() for rival in rivals]
+        rivals = [Plan.from_dict(d) for d in strategy.broadcast(found)]
+        if not rivals:
+            rank_zero_info(
+                f"DeepCEE: plan trial: no other layout is predicted within {RIVAL_WITHIN:.0%} "
+                "of the searched plan; it trains untimed"
+            )
+            on_chosen(plan)
+            return
+        self.race = TrialRace([plan, *rivals], strategy.device_gain)
+        self._built, self._step, self._clock, self._moves_s = plan, None, None, 0.0
         rank_zero_info(
-            f"DeepCEE: plan trial: no other layout is predicted within {RIVAL_WITHIN:.0%} of "
-            "the searched plan; it runs untimed"
+            f"DeepCEE: plan trial on the first training steps: the searched plan and "
+            f"{len(rivals)} rival(s), up to {TRIAL_STEPS} steps each"
         )
-        return plan
-    stateful = batch_dependent_modules(part.spec.blocks)
-    if stateful:
-        first = stateful[0]
-        rank_zero_info(
-            f"DeepCEE: plan trial skipped: {first.kind} in block {first.block_index} keeps "
-            "running statistics that a trial step would change; the searched plan runs"
-        )
-        return plan
-    rng = _rng_state()
-    # The training state of the searched layout, kept while rivals run on copies of the blocks.
-    saved = live_shard(strategy) if part.where.writes_shard else None
-    try:
-        batch = strategy.batch_to_device(next(iter(fit_dataloader(trainer))))
-        candidates = [plan, *rivals]
-        timed: list[float] = []
-        counts: list[int] = []
-        for index, candidate in enumerate(candidates):
-            if index:
-                build_for_timing(strategy, candidate, trainer)
-            step_s, count = _time_steps(strategy, batch, min(timed, default=None))
-            counts.append(count)
-            if step_s is None:
-                rank_zero_info(
-                    "DeepCEE: plan trial stopped: a training step changes the model's buffers; "
-                    "the searched plan runs"
-                )
-                candidates, timed = candidates[: index + 1], [*timed, float("inf")]
-                break
-            timed.append(step_s)
-        stopped = timed[-1] == float("inf")
-        best = 0 if stopped else pick_timed(candidates, timed, strategy.device_gain)
-        if len(timed) > 1:  # a rival was built: the training state goes where it trains
-            why = "plan trial: the fastest" if best else "plan trial: the searched plan"
-            relayout_from(strategy, plan, _saved(saved), candidates[best], trainer, why)
-    finally:
-        _set_rng_state(rng)
-        for p in strategy.lightning_module.parameters() if strategy.lightning_module else ():
-            p.grad = None
-    rank_zero_info(_report(candidates, timed, counts, best))
-    return candidates[best]
 
-
-def _saved(shard: dict[str, Any] | None) -> Callable[[], dict[str, Any]]:
-    def get() -> dict[str, Any]:
-        assert shard is not None, "only a stage's first device sends its shard"
-        return shard
-
-    return get
-
-
-def _time_steps(
-    strategy: TrialStrategy, batch: Any, fastest_s: float | None
-) -> tuple[float | None, int]:
-    """Median seconds of a whole pipeline step (each step's seconds the mean over ranks, so
-    every rank gets the same figures), and how many steps were timed: up to ``TRIAL_STEPS``,
-    fewer once the plan is out of the race against ``fastest_s`` (the fastest median timed
-    before; :func:`~lightning_deepcee.planner.rivals.out_of_race`, judged on the steps after the
-    first, which allocates). ``None`` when a step changed a buffer of this stage (the buffers
-    are put back)."""
-    stage = strategy.stage_part.stage
-    assert stage is not None
-    buffers = list(dict.fromkeys(b for block in stage.blocks for b in block.buffers()))
-    kept = [b.detach().clone() for b in buffers]
-    seconds: list[float] = []
-    while len(seconds) < TRIAL_STEPS:
-        began = time.perf_counter()
-        _step(strategy, batch)
+    def at_step_start(self, strategy: TrialStrategy, trainer: pl.Trainer) -> None:
+        """At a step boundary (every rank, ``on_train_batch_start``): time the step that ended
+        and move to the next candidate, or to the winner, when the race says so."""
+        race = self.race
+        if race is None:
+            return
+        if strategy.plan is not self._built:
+            self._end(f"the layout changed at step {trainer.global_step}; that layout trains")
+            return
+        step = trainer.global_step
+        if step == self._step:
+            return  # within an accumulation of batches: not an optimizer step's boundary
+        self._step = step
+        if self._clock is None:
+            left = trainer.estimated_stepping_batches - step
+            if left < 2 * TRIAL_STEPS * len(race.plans):
+                self._end(f"the fit has {left} steps left; the searched plan trains")
+            else:
+                self._clock = time.perf_counter()
+            return
         took = torch.tensor(
-            [time.perf_counter() - began], dtype=torch.float64, device=strategy.root_device
+            [time.perf_counter() - self._clock], dtype=torch.float64, device=strategy.root_device
         )
         all_reduce_(took)
-        seconds.append(float(took.item()) / strategy.world_size)
-        if fastest_s is not None and out_of_race(seconds[1:], fastest_s, strategy.device_gain):
-            break
-    changed = torch.tensor(
-        [float(any(not torch.equal(b, k) for b, k in zip(buffers, kept, strict=True)))],
-        dtype=torch.float64,
-        device=strategy.root_device,
-    )
-    for b, k in zip(buffers, kept, strict=True):
-        b.data.copy_(k)
-    all_reduce_(changed)
-    return (None if changed.item() else statistics.median(seconds)), len(seconds)
+        move = race.record(float(took.item()) / strategy.world_size)
+        if move is not None:
+            self._move(strategy, trainer, race, move)
+        self._clock = time.perf_counter()
+
+    def at_fit_end(self) -> None:
+        """At the strategy's teardown: a race the fit left unfinished ends, the layout in use
+        stays, nothing is kept."""
+        if self.race is not None:
+            self._end("the fit ended first; the layout in use stays")
+
+    def _move(
+        self, strategy: TrialStrategy, trainer: pl.Trainer, race: TrialRace, move: int
+    ) -> None:
+        """Build candidate ``move`` (unless it runs already); at the race's end, report it."""
+        began = time.perf_counter()
+        if race.plans[move] is not self._built:
+            why = f"plan trial: rival {move}" if race.winner is None else "plan trial: the fastest"
+            strategy.apply_plan(race.plans[move], trainer, why)
+            self._built = strategy.plan
+        self._moves_s += time.perf_counter() - began
+        if race.winner is None:
+            return
+        pace = race.medians[race.winner]
+        self.cost_s = self._moves_s + sum(s - pace for steps in race.steps for s in steps)
+        rank_zero_info(_report(race, self.cost_s))
+        self.race = None
+        self._on_chosen(race.plans[race.winner])
+
+    def _end(self, why: str) -> None:
+        rank_zero_info(f"DeepCEE: plan trial stopped: {why}")
+        self.race = None
 
 
-def _step(strategy: TrialStrategy, batch: Any) -> None:
-    """One training step's pipeline work (forward, backward, copies' gradient sync and the
-    step's closing all-reduce) without the optimizer; gradients dropped."""
-    part = strategy.stage_part
-    assert part.stage is not None
-    params = part.stage.parameters()
-    part.run("train", batch)
-    part.sync_copies()
-    all_reduce_(torch.zeros(1, dtype=torch.float64, device=strategy.root_device))
-    for p in params:
-        p.grad = None
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _report(candidates: list[Plan], timed: list[float], counts: list[int], best: int) -> str:
+def _report(race: TrialRace, cost_s: float) -> str:
     lines = [
-        f"DeepCEE: plan trial, up to {TRIAL_STEPS} timed steps each (forward and backward, no "
-        f"optimizer step; median of each step's mean over ranks; a rival whose fastest step is "
-        f"{RACE_MARGIN:.0%} beyond device_gain slower than the fastest plan stops early):"
+        f"DeepCEE: plan trial, up to {TRIAL_STEPS} training steps each (median of each step's "
+        f"mean over ranks; a rival whose fastest step is {RACE_MARGIN:.0%} beyond device_gain "
+        f"slower than the fastest plan stops early); it cost {cost_s:.1f} s over the winner's "
+        "pace (moves included):"
     ]
-    for index, (plan, seconds) in enumerate(zip(candidates, timed, strict=False)):
+    for index, (plan, steps) in enumerate(zip(race.plans, race.steps, strict=False)):
         name = "searched" if index == 0 else f"rival {index}"
-        mark = "  <- trains" if index == best else ""
-        measured = "stopped" if seconds == float("inf") else f"{seconds * 1e3:.1f} ms"
-        if seconds != float("inf") and counts[index] < TRIAL_STEPS:
-            measured += f" (out of the race after {counts[index]} step(s))"
+        mark = "  <- trains" if index == race.winner else ""
+        measured = f"{race.medians[index] * 1e3:.1f} ms"
+        if len(steps) < TRIAL_STEPS:
+            measured += f" (out of the race after {len(steps)} step(s))"
         lines.append(
             f"  {name:>8}: {measured}, predicted {plan.predicted_step_time_s * 1e3:.1f} ms: "
             f"{layout_line(plan, plan.num_microbatches)}{mark}"

@@ -12,18 +12,22 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_deepcee._compat import fit_dataloader
 from lightning_deepcee.profiler import ClusterProfile, DeviceGroups, group_devices
 from lightning_deepcee.runtime import PipelineSpec, batch_size_of, split_batch, split_sizes
 from lightning_deepcee.runtime.measure import profile_cluster, profile_or_load
 from lightning_deepcee.strategy.reporting import format_cluster, warn_once_per_job
 
-__all__ = ["ProfileSettings", "SetupProfile", "device_cache_dir", "profile_at_setup"]
+__all__ = [
+    "ProfileHost", "ProfileSettings", "SetupProfile", "device_cache_dir", "profile_at_setup",
+    "profile_strategy",
+]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,6 +68,40 @@ class SetupProfile:
     """Samples in the first training batch (the plan is made for it)."""
     parts: dict[str, float]
     """Seconds of the parts (the slowest device's block timings, the network)."""
+
+
+class ProfileHost(Protocol):
+    """What profiling at set-up uses of the strategy (``DeepCEEStrategy`` provides it)."""
+
+    profile_settings: ProfileSettings
+
+    @property
+    def num_microbatches(self) -> int: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def model_to_device(self) -> None: ...
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = ...) -> Any: ...
+
+
+def profile_strategy(host: ProfileHost, trainer: pl.Trainer, spec: PipelineSpec) -> SetupProfile:
+    """:func:`profile_at_setup` for ``host``'s devices on the first training batch; the blocks
+    are timed where they will run, on ``root_device``."""
+    host.model_to_device()
+    return profile_at_setup(
+        trainer,
+        host.batch_to_device(next(iter(fit_dataloader(trainer)))),
+        spec=spec,
+        num_microbatches=host.num_microbatches,
+        device=host.root_device,
+        world_size=host.world_size,
+        settings=host.profile_settings,
+    )
 
 
 def profile_at_setup(

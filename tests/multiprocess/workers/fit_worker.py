@@ -23,6 +23,9 @@ import lightning.pytorch as pl
 import torch
 
 import lightning_deepcee
+import lightning_deepcee.planner.rivals as rivals_module
+import lightning_deepcee.runtime.spread_search as plan_spread_module
+import lightning_deepcee.strategy.plan_trial as plan_trial
 from lightning_deepcee import DeepCEEStrategy, DynamicEnvironmentAdapter, PipelineThroughputMonitor
 from tests.helpers.models import TinyNet, make_loader
 from tests.helpers.workers import QUIET, run_configs, save_consolidated, save_params
@@ -91,22 +94,28 @@ def _callbacks(cfg: dict[str, Any]) -> list[pl.Callback]:
     return callbacks
 
 
+_ORIGINAL: dict[str, Any] = {
+    "plan_search": plan_spread_module.plan_search,
+    "record": rivals_module.TrialRace.record,
+    "prepare": plan_trial.PlanTrial.prepare,
+}
+"""What ``_watch_trial`` wraps, as imported: each config wraps these, not the last config's."""
+
+
 def _watch_trial(
     slow_searched: bool, layout: list[list[Any]] | None, alternative: list[list[Any]] | None
 ) -> dict[str, Any]:
-    """Record what the setup's plan trial does on this rank: the plan it started from, each
-    candidate's timing, whether the random generators came back unchanged. ``slow_searched``
-    adds a second to the searched plan's timing, so that a rival is chosen and moved to;
-    ``layout`` (``[[ranks, [start, end]], ...]``) stands in for the search's plan (the tiny
-    model alone would be planned on one device, which has no rivals), and ``alternative`` (on
-    fewer ranks: the others idle) for its alternative of another structure, predicted alike."""
-    import lightning_deepcee.runtime.spread_search as plan_spread_module
-    import lightning_deepcee.strategy.deepcee as strategy_module
-    import lightning_deepcee.strategy.plan_trial as plan_trial
+    """Record what the plan trial does on this rank: the plan set-up built, each timed step
+    (candidate index, seconds) and the layout each training step ran. ``slow_searched`` adds a
+    second to the searched plan's steps, so that a rival wins and is moved to; ``layout``
+    (``[[ranks, [start, end]], ...]``) stands in for the search's plan (the tiny model alone
+    would be planned on one device, which has no rivals), and ``alternative`` (on fewer ranks:
+    the others idle) for its alternative of another structure, predicted alike."""
     from lightning_deepcee.planner import make_plan
     from lightning_deepcee.planner.subsets import lift, restrict
 
-    record: dict[str, Any] = {"calls": []}
+    record: dict[str, Any] = {"calls": [], "layouts": []}
+    plan_spread_module.plan_search = _ORIGINAL["plan_search"]  # type: ignore[assignment]
     if layout is not None:
 
         def made(profile: Any, stages: list[list[Any]], batch: int) -> Any:
@@ -133,36 +142,29 @@ def _watch_trial(
             return searched
 
         plan_spread_module.plan_search = plan_search  # type: ignore[assignment]
-    timed, trial = plan_trial._time_steps, plan_trial.trial_plans
+    race_record, prepare = _ORIGINAL["record"], _ORIGINAL["prepare"]
 
-    def time_steps(strategy: Any, batch: Any, fastest_s: float | None) -> tuple[float | None, int]:
-        seconds, count = timed(strategy, batch, fastest_s)
-        first = not record["calls"]
-        record["calls"].append(seconds)
-        if seconds is not None and first and slow_searched:
-            seconds += 1.0
-        return seconds, count
+    def record_step(race: Any, seconds: float) -> int | None:
+        record["calls"].append([race.running, seconds])
+        return race_record(race, seconds + (1.0 if slow_searched and race.running == 0 else 0))
 
-    def trial_plans(strategy: Any, trainer: pl.Trainer, count: int) -> Any:
+    def prepare_trial(trial: Any, strategy: Any, *args: Any) -> None:
         record["searched"] = strategy.plan.to_dict()
-        # Rivals run on each rank's copies of the blocks it does not train: spoil them, so that
-        # training stays exact only if the state comes from the searched plan's owners.
-        start, end = (0, 0) if strategy.is_idle else strategy.stage.block_range
-        with torch.no_grad():
-            for index, block in enumerate(strategy.spec.blocks):
-                for param in block.parameters() if not start <= index < end else ():
-                    param.add_(3.0)
-        before = torch.get_rng_state().clone()
-        chosen = trial(strategy, trainer, count)
-        record["rng_restored"] = bool(torch.equal(before, torch.get_rng_state()))
-        record["grads_dropped"] = all(
-            p.grad is None for p in strategy.lightning_module.parameters()
-        )
-        return chosen
+        prepare(trial, strategy, *args)
 
-    plan_trial._time_steps = time_steps  # type: ignore[assignment]
-    strategy_module.trial_plans = trial_plans  # type: ignore[assignment]
+    rivals_module.TrialRace.record = record_step  # type: ignore[method-assign]
+    plan_trial.PlanTrial.prepare = prepare_trial  # type: ignore[method-assign]
     return record
+
+
+class _RecordLayouts(pl.Callback):
+    """Appends the layout each training step ran (``Plan.layout_key``) to ``layouts``."""
+
+    def __init__(self, layouts: list[Any]) -> None:
+        self.layouts = layouts
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.layouts.append(str(trainer.strategy.plan.layout_key))
 
 
 def run(cfg: dict[str, Any], out: Path) -> None:
@@ -226,12 +228,13 @@ def run(cfg: dict[str, Any], out: Path) -> None:
         trainer.fit(model, loader, ckpt_path=out / cfg["resume_from"])
         save_params(model, target / f"rank{rank}.pt")
         return
-    trainer = make_trainer(cfg, target)
     trial = _watch_trial(
         cfg.get("trial_slow_searched", False),
         cfg.get("searched_layout"),
         cfg.get("alternative_layout"),
     )
+    trainer = make_trainer(cfg, target)
+    trainer.callbacks.append(_RecordLayouts(trial["layouts"]))  # type: ignore[attr-defined]
     trainer.fit(model, loader)
     save_params(model, target / f"rank{rank}.pt")
     if trial["calls"] or cfg.get("record_trial"):

@@ -360,7 +360,7 @@ def test_no_search_starts_when_none_can_gain_the_margin() -> None:
 
 
 def test_the_floor_is_setups_plan_on_setups_profile_and_survives_a_resume() -> None:
-    from lightning_deepcee.callbacks.adapter import _setup_floor
+    from lightning_deepcee.callbacks.replanner import _setup_floor
 
     adapter, strategy, _ = _profiled_adapter()
     floor = _setup_floor(strategy)

@@ -171,7 +171,7 @@ def test_the_cpu_floor_rows_count_every_byte_a_rank_moves(tmp_path: Path) -> Non
     assert fit_cpu_floor.load_rows([saved]) == rows
 
 
-def _result(setup: dict[str, float] | None) -> dict[str, Any]:
+def _result(setup: dict[str, float] | None, trial_cost: float | None = None) -> dict[str, Any]:
     run: dict[str, Any] = dict(
         run=0, samples_per_s=50.0, global_batch=48, world_size=2, num_stages=2,
         schedule="zb-h1", num_microbatches=4, ranges=[[0, 6], [6, 12]], placement=[[0], [1]],
@@ -179,6 +179,8 @@ def _result(setup: dict[str, float] | None) -> dict[str, Any]:
     )  # fmt: skip
     if setup is not None:
         run["setup_s"] = setup
+    if trial_cost is not None:
+        run["trial_cost_s"] = trial_cost
     config = dict(
         topology="configs/lab/cee8.yaml", model="gpt", size="gpt5m", gpt=dict(block_size=32),
         global_batch=48, steps=3, warmup=1, microbatches=8, systems=["deepcee"], parameters=10,
@@ -189,7 +191,12 @@ def _result(setup: dict[str, float] | None) -> dict[str, Any]:
 def test_the_table_gives_each_planned_runs_set_up_parts() -> None:
     parts = dict(profile=28.5, profile_blocks=17.9, profile_network=10.2, plan=4.4, build=0.1)
     table = load_benchmark("lab_bench").render(_result(parts))
-    assert "| deepcee | 0 | 33.0 | 28.5 | 17.9 | 10.2 | 4.4 | 0.1 |" in table
+    assert "| deepcee | 0 | 33.0 | 28.5 | 17.9 | 10.2 | 4.4 | 0.1 |  |" in table
+    # The plan trial's cost in training comes beside set-up, and summed with it.
+    parts["trial"] = 0.2
+    table = load_benchmark("lab_bench").render(_result(parts, trial_cost=3.5))
+    assert "| deepcee | 0 | 33.2 | 28.5 | 17.9 | 10.2 | 4.4 | 0.1 | 0.2 | 3.5 | 36.7 |" in table
+    assert "| trial cost | set-up + trial cost |" in table
     # Runs recorded before set-up was kept get no set-up table.
     assert "Set-up on rank 0" not in load_benchmark("lab_bench").render(_result(None))
 

@@ -16,6 +16,8 @@ import pytest
 
 from lightning_deepcee.planner import Plan, predict_plan
 from lightning_deepcee.planner.rivals import (
+    TRIAL_STEPS,
+    TrialRace,
     choose_rivals,
     out_of_race,
     pick_timed,
@@ -282,3 +284,31 @@ def test_a_rival_leaves_the_race_only_when_its_fastest_step_is_far_beyond_the_fa
     # A larger device_gain keeps slower plans in: pick_timed may still take one with fewer devices.
     assert not out_of_race([1.5], 1.0, device_gain=0.25)
     assert out_of_race([1.6], 1.0, device_gain=0.25)
+
+
+def test_the_trial_race_runs_each_candidate_its_steps_then_names_the_winner() -> None:
+    two, three = _on((0, 1)), _on((0, 1, 2))
+    race = TrialRace([two, two, three], device_gain=0.05)
+    moves = [race.record(s) for s in (1.9, 1.0, 1.1)]  # the first step allocates
+    assert moves == [None, None, 1] and race.running == 1
+    moves = [race.record(s) for s in (1.5, 0.9, 0.95)]
+    assert moves == [None, None, 2] and race.medians == [1.1, 0.95]
+    # A step 35% beyond device_gain slower than the fastest median, after the first: out.
+    assert race.record(2.0) is None and race.running == 2  # the first step is not judged
+    assert race.record(1.4) == 1 and race.winner == 1 and race.running == 1
+    assert race.steps == [[1.9, 1.0, 1.1], [1.5, 0.9, 0.95], [2.0, 1.4]]
+    with pytest.raises(RuntimeError, match="after the race ended"):
+        race.record(1.0)
+
+
+def test_the_trial_race_keeps_the_running_plan_when_it_wins_and_refuses_bad_figures() -> None:
+    two = _on((0, 1))
+    race = TrialRace([two, two], device_gain=0.05)
+    for _ in range(TRIAL_STEPS):
+        race.record(1.0)
+    assert [race.record(1.0) for _ in range(TRIAL_STEPS)] == [None, None, 0]  # not 2% faster
+    race = TrialRace([two, two], device_gain=0.05)
+    with pytest.raises(ValueError, match="a step of nan s"):
+        race.record(float("nan"))
+    with pytest.raises(ValueError, match=r"a step of -1\.0 s"):
+        race.record(-1.0)
