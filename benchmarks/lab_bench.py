@@ -76,6 +76,8 @@ LIGHTNING_SYSTEMS = (
 PIPE_SYSTEMS = ("pipe-gpipe", "pipe-1f1b", "pipe-zb")
 SYSTEMS = LIGHTNING_SYSTEMS + PIPE_SYSTEMS
 DEEPCEE_SYSTEMS = tuple(s for s in LIGHTNING_SYSTEMS if s.startswith("deepcee"))
+PLANNED_SYSTEMS = ("deepcee", "deepcee-adapter", "deepcee-zip", "deepcee-kept")
+"""The DeepCEE systems whose plan is searched (unless ``--plan`` gives one): they run the trial."""
 REGION_SUBSETS = "ddp-regions"
 """Expands to ``ddp@<regions>`` for every region subset of :func:`region_subsets`."""
 
@@ -153,7 +155,7 @@ def _lightning_worker(args: argparse.Namespace) -> None:
             raise SystemExit(f"global batch {g} is not divisible by {world} devices")
         strategy: Any = DDPStrategy(process_group_backend="gloo")
         per_loader = g // world
-    elif args.system in ("deepcee", "deepcee-adapter", "deepcee-zip", "deepcee-kept"):
+    elif args.system in PLANNED_SYSTEMS:
         # Automatic profile + plan (or --plan: a saved plan, no profiling or search). Only the
         # profiling time budget is raised (default 60 s).
         strategy = DeepCEEStrategy(
@@ -453,6 +455,26 @@ def sub_topology(topo: Any, regions: tuple[str, ...]) -> Any:
     )
 
 
+TRIAL_STEPS = 3
+"""``lightning_deepcee.planner.rivals.TRIAL_STEPS`` (the driver imports no torch)."""
+TRIAL_WARMUP = 4 * TRIAL_STEPS + 2
+"""Warm-up steps a DeepCEE system with an automatic plan needs at least: its plan trial
+(``plan_trial=4``: up to four candidates, ``TRIAL_STEPS`` training steps each) trains the fit's
+first steps, plus a step after each of the last moves; the trial needs twice its steps left in
+the fit, or it is skipped."""
+
+
+def system_steps(system: str, steps: int, warmup: int, planned: bool) -> tuple[int, int]:
+    """The (steps, warm-up) ``system`` runs: as given, but a DeepCEE system with an automatic
+    plan (``planned``) warms up past its plan trial, and its fit is long enough for the trial
+    to run; the window (``steps - warmup``) is the same for every system."""
+    if split_system(system)[0] not in PLANNED_SYSTEMS or not planned:
+        return steps, warmup
+    window = steps - warmup
+    longer = max(warmup, TRIAL_WARMUP, 2 * 4 * TRIAL_STEPS - window)
+    return longer + window, longer
+
+
 def system_batch(system: str, num_devices: int, global_batch: int) -> int:
     """The global batch ``system`` runs: DDP needs a multiple of its device count (the nearest,
     at least one sample per device); every other system runs ``global_batch`` as given."""
@@ -539,6 +561,7 @@ def run_one(args: argparse.Namespace, system: str, run: int, out: Path) -> dict[
         topology_file = out / "topology.yaml"
         topology_file.write_text(yaml.safe_dump(topo.to_dict(), sort_keys=False))
     batch = system_batch(system, len(topo.devices), args.global_batch)
+    steps, warmup = system_steps(system, args.steps, args.warmup, planned=args.plan is None)
     kept = out.parent / "device-cache"  # the system's runs share it
     if base == "deepcee-kept" and run == 0:
         shutil.rmtree(kept, ignore_errors=True)
@@ -549,8 +572,8 @@ def run_one(args: argparse.Namespace, system: str, run: int, out: Path) -> dict[
         "--size", args.size,
         "--global-batch", str(batch),
         "--microbatches", str(args.microbatches),
-        "--steps", str(args.steps),
-        "--warmup", str(args.warmup),
+        "--steps", str(steps),
+        "--warmup", str(warmup),
         "--max-chars", str(args.max_chars),
         "--profile-budget-s", str(args.profile_budget_s),
         "--receive-ahead", args.receive_ahead,
@@ -737,6 +760,13 @@ def render(result: dict[str, Any]) -> str:
                 note = (
                     f"`{s}` runs global batch {r['global_batch']}, the multiple of its "
                     f"{r['world_size']} devices nearest to {cfg['global_batch']}."
+                )
+                if note not in notes:
+                    notes.append(note)
+            if r.get("warmup", cfg["warmup"]) != cfg["warmup"]:
+                note = (
+                    f"`{s}` runs {r['steps']} steps and warms up {r['warmup']} (its plan trial "
+                    "trains the first steps), the same window."
                 )
                 if note not in notes:
                     notes.append(note)
@@ -1021,7 +1051,8 @@ def harness_main(argv: list[str]) -> int:
         for s in systems:
             out = args.logs / name / s.replace("@", "_at_").replace("+", "_") / f"run{r}"
             rec = run_one(args, s, r, out)
-            rec.update(steps=args.steps, warmup=args.warmup, command_microbatches=args.microbatches)
+            steps, warmup = system_steps(s, args.steps, args.warmup, planned=args.plan is None)
+            rec.update(steps=steps, warmup=warmup, command_microbatches=args.microbatches)
             result["systems"][s]["runs"].append(rec)
             result["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
             write_json(path, result)

@@ -163,9 +163,12 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
     # ------------------------------------------------------------------------------ hooks
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start(trainer, _deepcee(trainer))
+
+    def _start(self, trainer: pl.Trainer, strategy: AdaptableStrategy) -> None:
+        """Watch the running layout from here: at the start, and after the plan trial."""
         from lightning_deepcee.adapter.links import plan_pairs
 
-        strategy = _deepcee(trainer)
         replanner = self.replanner
         self._inflight, self._proposed, replanner.search = None, [], None
         if replanner.replanned is not None:
@@ -198,7 +201,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         if self._after_trial:  # as from the start, on the trial's layout and micro-batches
             self._after_trial, self.replanner.floor_s = False, None
             self.split_state.split, self.split_state.base_microbatches = 1, None
-            self.on_train_start(trainer, trainer.lightning_module)
+            self._start(trainer, strategy)
         if self.monitor is None:
             return
         step = trainer.global_step

@@ -293,3 +293,23 @@ def test_without_a_profile_the_adapter_only_watches(monkeypatch: pytest.MonkeyPa
     skipped = run.kinds("split-skipped")
     assert skipped and all("needs a cluster profile" in d["reason"] for d in skipped)
     assert run.kinds("split")  # the proposals themselves are logged
+
+
+def test_the_adapter_waits_for_the_plan_trial_then_starts_on_its_layout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The plan trial runs the first 20 steps (a drop the adapter would split within 9 steps
+    # falls there); at step 21 it leaves the winner, which runs 4 micro-batches, not 2.
+    trial = {"running": True}
+    monkeypatch.setattr(WorldStrategy, "trial_running", property(lambda self: trial["running"]))
+
+    def world(step: int, strategy: WorldStrategy, fraction: float) -> float:
+        trial["running"] = step <= 20
+        if step == 21:
+            strategy.set_num_microbatches(4)
+        return model_world(step, strategy, fraction)
+
+    run = run_adapter(monkeypatch, 80, lambda step: 0.25 if step <= 20 else 1.0, world)
+    assert run.adapter.decisions == []  # nothing judged on the trial's steps
+    assert run.adapter.split_state.base_microbatches == 4
+    assert run.microbatches[20:] == [4] * 60, run.microbatches

@@ -218,3 +218,21 @@ def test_the_time_to_accuracy_table_names_its_target_and_invocation() -> None:
     assert "target validation loss 2.297 (reached by ddp@cloud at step 100; on the first" in table
     assert "One invocation on 2026-12-03 at commit `abc1234`" in table
     assert "| ddp@cloud | 1/1 | 80.0 | 80.0 | 80.0 | 90 | 1.25x |" in table
+
+
+def test_planned_deepcee_systems_warm_up_past_the_plan_trial() -> None:
+    from lightning_deepcee.planner.rivals import TRIAL_STEPS
+
+    bench = load_benchmark("lab_bench")
+    assert bench.TRIAL_STEPS == TRIAL_STEPS
+    # The window stays; the warm-up covers the trial, and the fit is long enough for it to run.
+    assert bench.system_steps("deepcee", 10, 3, planned=True) == (24, 17)
+    assert bench.system_steps("deepcee-kept", 30, 16, planned=True) == (30, 16)
+    assert bench.system_steps("deepcee-adapter", 40, 3, planned=True) == (51, 14)
+    assert bench.system_steps("deepcee", 10, 3, planned=False) == (10, 3)  # --plan: no trial
+    for system in ("ddp", "ddp@cloud", "pipe-zb", "deepcee-manual", "deepcee-dp"):
+        assert bench.system_steps(system, 10, 3, planned=True) == (10, 3)
+    result = _result(None)
+    result["systems"]["deepcee"]["runs"][0].update(steps=24, warmup=17)
+    table = bench.render(result)
+    assert "`deepcee` runs 24 steps and warms up 17 (its plan trial trains the first" in table
