@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ __all__ = [
     "resolve_checkpoint_dir",
     "save_sharded",
     "shard_file",
+    "shard_part",
 ]
 
 META_FILE = "meta.pt"
@@ -190,6 +191,32 @@ def load_sharded(
                 )
             checkpoint["state_dict"][name] = saved_weights[source]
     return checkpoint
+
+
+def shard_part(shard: dict[str, Any], keep: Callable[[str], bool]) -> dict[str, Any]:
+    """The part of a checkpoint shard whose global names ``keep`` accepts: those weights, and
+    those parameters' optimizer state and names (each param group keeps its settings); a shard
+    all the same for :func:`repartition`."""
+    states, kept_names = [], []
+    for opt_state, names in zip(
+        shard["optimizer_states"], shard["optimizer_param_names"], strict=True
+    ):
+        indices = [i for g in opt_state["param_groups"] for i in g["params"]]
+        kept = {i for i, name in zip(indices, names, strict=True) if keep(name)}
+        groups = [
+            {**g, "params": [i for i in g["params"] if i in kept]}
+            for g in opt_state["param_groups"]
+        ]
+        state = {i: s for i, s in opt_state["state"].items() if i in kept}
+        states.append({"state": state, "param_groups": groups})
+        kept_names.append([n for i, n in zip(indices, names, strict=True) if i in kept])
+    weights = {k: v for k, v in shard["state_dict"].items() if keep(k)}
+    return {
+        **shard,
+        "state_dict": weights,
+        "optimizer_states": states,
+        "optimizer_param_names": kept_names,
+    }
 
 
 def repartition(

@@ -136,17 +136,17 @@ def relayout_from(
     trainer: pl.Trainer,
     why: str,
 ) -> None:
-    """``DeepCEEStrategy.apply_plan`` from ``source``, whose first device of each stage holds
-    its part of the training state in ``shard_of()`` (the running layout, :func:`live_shard`).
+    """``DeepCEEStrategy.apply_plan`` from ``source``, whose devices of each stage hold its
+    part of the training state in ``shard_of()`` (the running layout, :func:`live_shard`).
     Collective:
 
     1. ``host.check_plan`` (local, so a bad plan raises on every rank before anything moves);
-    2. the first device of every stage copies its stage's part of the training state to host
+    2. a device of a stage that sends copies its stage's part of the training state to host
        memory: weights, optimizer state, LR-scheduler state and the global name of each
        optimizer parameter, exactly a checkpoint shard; each rank of the new layout receives,
-       point to point, the shards of the old stages that held its new blocks
-       (:mod:`~lightning_deepcee.runtime.relayout`: a rank that keeps its blocks receives
-       nothing over the network, an idle rank nothing at all). The ranks first agree on the
+       point to point from the old stage's first device, the part of each old stage's shard
+       its new blocks use (:mod:`~lightning_deepcee.runtime.relayout`: a rank that held those
+       blocks takes its own copy, an idle rank receives nothing). The ranks first agree on the
        plan (a digest of it, gathered): unequal plans raise on every rank;
     3. the blocks ``build_stage`` replaced by ``nn.Identity`` are put back and
        :func:`build_layout` builds the new layout, as setup does, loading this rank's part

@@ -36,11 +36,11 @@ from lightning_deepcee.runtime import (
     split_sizes,
 )
 from lightning_deepcee.runtime.batch_statistics import batch_dependent_modules
-from lightning_deepcee.runtime.checkpoint import repartition
+from lightning_deepcee.runtime.checkpoint import repartition, shard_part
 from lightning_deepcee.runtime.executors import Executors, build_executors
 from lightning_deepcee.runtime.grad_buckets import BucketedGradSync, bucket_bytes_for
 from lightning_deepcee.runtime.layout_text import describe
-from lightning_deepcee.runtime.relayout import move_shards, routes
+from lightning_deepcee.runtime.relayout import Route, move_shards, routes
 from lightning_deepcee.runtime.stage import TiedParameter, tied_parameters
 from lightning_deepcee.runtime.stage_groups import make_stage_groups
 from lightning_deepcee.runtime.ties import (
@@ -296,11 +296,25 @@ class PipelineStagePart:
         )
         sends = any(m.src == self._rank for m in moves)
         shard = shard_of() if sends else None
-        received, sent = move_shards(moves, self._rank, shard, self._device)
+        received, sent = move_shards(moves, self._rank, shard, self._device, select=self._part_of)
         figures = torch.tensor([float(sent)], dtype=torch.float64, device=self._device)
         all_reduce_(figures)
         self.restore_blocks()
         return [received[stage] for stage in sorted(received)], figures.item()
+
+    def _part_of(self, shard: dict[str, Any], move: Route) -> dict[str, Any]:
+        """What ``move``'s receiver needs of ``shard``: the entries of its new blocks, of the
+        tied parameters they use, and of anything outside every block."""
+        start, end = move.blocks
+        mine = tuple(f"{name}." for name in self._block_names[start:end])
+        every = tuple(f"{name}." for name in self._block_names)
+        tied = {n for tie, _ in self.ties if any(start <= b < end for b in tie.blocks)
+                for n in tie.names}  # fmt: skip
+
+        def keep(name: str) -> bool:
+            return name.startswith(mine) or name in tied or not name.startswith(every)
+
+        return shard_part(shard, keep)
 
     def repartitioned(
         self, shards: list[dict[str, Any]], optimizers: Sequence[torch.optim.Optimizer]
