@@ -11,6 +11,7 @@ block ``report.py`` renders from them; the few figures that are not measurements
 
 from __future__ import annotations
 
+import itertools
 import re
 from functools import cache
 from pathlib import Path
@@ -83,12 +84,28 @@ def test_every_figure_comes_from_a_committed_file(doc: Path) -> None:
     )
 
 
+def _unused(source: str, start: int, decimals: int) -> str:
+    """The first number from ``start / 10**decimals`` up that ``source`` does not hold (the
+    committed results hold many numbers; a made-up figure must be none of them)."""
+    for i in itertools.count(start):
+        value = f"{i / 10**decimals:.{decimals}f}"
+        if not re.search(rf"(?<![\d.]){re.escape(value)}(?![\d])", source):
+            return value
+    raise AssertionError("unreachable")
+
+
 def test_a_made_up_figure_fails() -> None:
     source = sources()
     text = (ROOT / "README.md").read_text()
     assert unsourced(text, source) == []
-    made_up = text + "\nDeepCEE ran 1.87x DDP (93.17 samples/s, 71.3-88.9 samples/s).\n"
-    assert unsourced(made_up, source) == ["1.87x", "93.17 samples/s", "71.3-88.9 samples/s"]
+    ratio, speed = _unused(source, 187, 2), _unused(source, 9317, 2)
+    low, high = _unused(source, 713, 1), _unused(source, 889, 1)
+    made_up = text + f"\nDeepCEE ran {ratio}x DDP ({speed} samples/s, {low}-{high} samples/s).\n"
+    assert unsourced(made_up, source) == [
+        f"{ratio}x",
+        f"{speed} samples/s",
+        f"{low}-{high} samples/s",
+    ]
     # Inside a generated block a figure is report.py's to check, not this test's.
     block = "<!-- report:throughput -->\n| 1.87x |\n<!-- /report:throughput -->\n"
     assert unsourced(text + block, source) == []
