@@ -457,9 +457,11 @@ def sub_topology(topo: Any, regions: tuple[str, ...]) -> Any:
 
 TRIAL_STEPS = 3
 """``lightning_deepcee.planner.rivals.TRIAL_STEPS`` (the driver imports no torch)."""
-TRIAL_WARMUP = 4 * TRIAL_STEPS + 2
+TRIAL_CANDIDATES = 4
+"""``DeepCEEStrategy(plan_trial=...)``'s default: the searched plan and up to three rivals."""
+TRIAL_WARMUP = TRIAL_CANDIDATES * TRIAL_STEPS + 2
 """Warm-up steps a DeepCEE system with an automatic plan needs at least: its plan trial
-(``plan_trial=4``: up to four candidates, ``TRIAL_STEPS`` training steps each) trains the fit's
+(up to ``TRIAL_CANDIDATES`` candidates, ``TRIAL_STEPS`` training steps each) trains the fit's
 first steps, plus a step after each of the last moves; the trial needs twice its steps left in
 the fit, or it is skipped."""
 
@@ -471,7 +473,7 @@ def system_steps(system: str, steps: int, warmup: int, planned: bool) -> tuple[i
     if split_system(system)[0] not in PLANNED_SYSTEMS or not planned:
         return steps, warmup
     window = steps - warmup
-    longer = max(warmup, TRIAL_WARMUP, 2 * 4 * TRIAL_STEPS - window)
+    longer = max(warmup, TRIAL_WARMUP, 2 * TRIAL_CANDIDATES * TRIAL_STEPS - window)
     return longer + window, longer
 
 

@@ -54,7 +54,7 @@ from lightning_deepcee.strategy.checkpointer import (
 )
 from lightning_deepcee.strategy.failure_naming import FailureNaming
 from lightning_deepcee.strategy.gc_freeze import GcFreeze
-from lightning_deepcee.strategy.layout_build import build_layout, live_shard, relayout_from
+from lightning_deepcee.strategy.layout_build import build_layout, relayout_from
 from lightning_deepcee.strategy.module_checks import (
     check_arguments,
     plan_argument,
@@ -427,8 +427,7 @@ class DeepCEEStrategy(DDPStrategy):
         whole-batch gradient under any layout (:func:`.layout_build.relayout_from`); ``why``
         opens rank 0's log line.
         """
-        assert self.plan is not None
-        relayout_from(self, self.plan, lambda: live_shard(self), plan, trainer, why)
+        relayout_from(self, plan, trainer, why)
 
     # ------------------------------------------------------------------------ checkpoints
     @override

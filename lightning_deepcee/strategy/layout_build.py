@@ -26,7 +26,7 @@ from lightning_deepcee._compat import mock_optimizer, optimizers_to_device
 from lightning_deepcee.planner import Plan
 from lightning_deepcee.profiler import ClusterProfile
 from lightning_deepcee.runtime.layout_text import layout_line
-from lightning_deepcee.strategy.stage_part import PipelineStagePart, ShardSource
+from lightning_deepcee.strategy.stage_part import PipelineStagePart
 
 __all__ = ["BuildHost", "build_layout", "live_shard", "relayout_from"]
 
@@ -128,17 +128,9 @@ def build_layout(
         rank_zero_info(part.describe())
 
 
-def relayout_from(
-    host: BuildHost,
-    source: Plan,
-    shard_of: ShardSource,
-    plan: Plan,
-    trainer: pl.Trainer,
-    why: str,
-) -> None:
-    """``DeepCEEStrategy.apply_plan`` from ``source``, whose devices of each stage hold its
-    part of the training state in ``shard_of()`` (the running layout, :func:`live_shard`).
-    Collective:
+def relayout_from(host: BuildHost, plan: Plan, trainer: pl.Trainer, why: str) -> None:
+    """``DeepCEEStrategy.apply_plan``: from the running layout, whose devices of each stage
+    hold its part of the training state (:func:`live_shard`), to ``plan``. Collective:
 
     1. ``host.check_plan`` (local, so a bad plan raises on every rank before anything moves);
     2. a device of a stage that sends copies its stage's part of the training state to host
@@ -161,9 +153,11 @@ def relayout_from(
     the links from their old to their new owners, pickled on the host.
     """
     host.check_plan(plan)
+    source = host.stage_part.plan
+    assert source is not None  # check_plan: a set-up strategy
     began = time.perf_counter()
     before = layout_line(source, source.num_microbatches)
-    shards, sent = host.stage_part.relayout(source, shard_of, plan, host.world_size)
+    shards, sent = host.stage_part.relayout(source, lambda: live_shard(host), plan, host.world_size)
     build_layout(host, plan, trainer, shards)
     rank_zero_info(
         f"DeepCEE: {why} at step {trainer.global_step}, moved the training state "

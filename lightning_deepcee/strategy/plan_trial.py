@@ -193,7 +193,7 @@ def _report(race: TrialRace, cost_s: float) -> str:
         f"slower than the fastest plan stops early); it cost {cost_s:.1f} s over the winner's "
         "pace (moves included):"
     ]
-    for index, (plan, steps) in enumerate(zip(race.plans, race.steps, strict=False)):
+    for index, (plan, steps) in enumerate(zip(race.plans, race.steps, strict=True)):
         name = "searched" if index == 0 else f"rival {index}"
         mark = "  <- trains" if index == race.winner else ""
         measured = f"{race.medians[index] * 1e3:.1f} ms"
