@@ -95,6 +95,9 @@ def memory_counts(top: int, global_batch_size: int) -> tuple[int, ...]:
 
 _EXACT_PARTITIONS = 64
 """Structures with at most this many block partitions have all of them tried."""
+_SCREENED_PARTITIONS = 8
+"""Of those, the partitions this fast under the candidate's own (schedule, micro-batch count)
+are tried at every pair (the best cuts shift with the pair, but not far down the order)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,9 +266,17 @@ class SearchContext:
         current = scored
         p, n = len(current.ranges), self.profile.num_blocks
         if math.comb(n - 1, p - 1) <= _EXACT_PARTITIONS:
-            for cuts in itertools.combinations(range(1, n), p - 1):
-                bounds = (0, *cuts, n)
-                ranges = tuple(itertools.pairwise(bounds))
+            partitions = [
+                tuple(itertools.pairwise((0, *cuts, n)))
+                for cuts in itertools.combinations(range(1, n), p - 1)
+            ]
+            screened = sorted(
+                partitions,
+                key=lambda r: _seconds(
+                    self.evaluate(current.structure, r, current.schedule, current.num_microbatches)
+                ),
+            )
+            for ranges in screened[:_SCREENED_PARTITIONS]:
                 trial = self.best_over_pairs(current.structure, ranges)
                 if improves(trial, current):
                     current = trial
@@ -283,6 +294,11 @@ class SearchContext:
                 current = best
         again = self.best_over_pairs(current.structure, current.ranges)
         return again if again is not None and again.step_time_s < current.step_time_s else current
+
+
+def _seconds(scored: Candidate | None) -> float:
+    """A candidate's predicted step, ``inf`` when it does not fit."""
+    return math.inf if scored is None else scored.step_time_s
 
 
 def _neighbours(ranges: Ranges) -> list[Ranges]:

@@ -163,7 +163,7 @@ class DeepCEEStrategy(DDPStrategy):
         profile_cache: str | None = None,
         profile_budget_s: float = 60.0,
         profile_rounds: int = 3,
-        profile_block_budget_s: float | None = 10.0,
+        profile_block_budget_s: float | None = 6.0,
         device_cache: str | None = "auto",
         timeout_s: float = 60.0,
         verbose: bool = True,

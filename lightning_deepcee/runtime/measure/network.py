@@ -12,14 +12,17 @@ take their figures, :func:`representative_pairs`).
 Each direction of a pair is measured on its own, so asymmetric links (a slow uplink) show: the
 initiator sends a ``small_bytes`` ping and gets a ``small_bytes`` pong (latency = round trip / 2),
 then sends a large ping and gets a ``small_bytes`` pong (the large size is chosen per link by a
-warm-up round: about 0.2 s of transfer, at most ``large_bytes``). The two round trips differ only
-by the extra bytes going one way, so ``bandwidth = (large - small) / (rtt_large - rtt_small)``;
-echoing the large message back would average both directions. Noise only ever adds time (a
-process throttled by its CPU quota, a round trip that waited for a scheduler slot, another pair's
-traffic on the shared cores), so each round trip keeps its *minimum* over ``repeats``: the
-fastest repeat is the one that saw the link alone, as in ping's and BBR's min-RTT filters. A
-median keeps a stalled small round trip as often as a stalled large one, and a stall on the small
-one makes the difference, and so the bandwidth, too high.
+warm-up round: about 0.2 s of transfer, at most ``large_bytes``, and each repeat resizes the next
+to the rate it showed). The two round trips differ only by the extra bytes going one way, so
+``bandwidth = (large - small) / (rtt_large - rtt_small)``; echoing the large message back would
+average both directions. Noise only ever adds time (a process throttled by its CPU quota, a round
+trip that waited for a scheduler slot, another pair's traffic on the shared cores), so the
+small round trip keeps its *minimum* over ``repeats`` and the bandwidth its fastest repeat: the
+one that saw the link alone, as in ping's and BBR's min-RTT filters. A median keeps a stalled
+small round trip as often as a stalled large one, and a stall on the small one makes the
+difference, and so the bandwidth, too high. A pair stops repeating once its two fastest readings
+agree (within ``_AGREE``): pairs across groups run one at a time, and every repeat of one costs
+every rank its time.
 
 Time limits (a slow or dead device must never hang setup silently):
 
@@ -69,6 +72,10 @@ __all__ = [
 # the size of the large message that follows (int64), which the initiator adapts to the link.
 _CONTINUE = 1
 _STOP = 2
+_DONE = 3
+_AGREE = 0.1
+"""A pair's repeats end early once its two fastest readings lie within this fraction of each
+other: a further repeat could only confirm them (noise only ever adds time)."""
 _HEADER_BYTES = 9
 _PROBE_BYTES = 256 * 2**10
 """The warm-up round sends at most this much; its time sizes the measured messages."""
@@ -333,7 +340,7 @@ def representative_pairs(
     group_of: dict[int, int],
     probe_bandwidth: Sequence[Sequence[float]],
     *,
-    per_link: int = 2,
+    per_link: int = 1,
     tolerance: float = 3.0,
 ) -> dict[tuple[int, int], list[tuple[int, int]]]:
     """Pairs ``(low, high)`` across network groups that need no measurement of their own, each
@@ -342,7 +349,9 @@ def representative_pairs(
 
     Pairs across groups are measured one at a time (they may share a WAN link), so every pair
     between two large groups would cost minutes. Devices of one network group reach another
-    group over the same links, so ``per_link`` pairs per pair of groups are measured, and each
+    group over the same links, so ``per_link`` pairs per pair of groups are measured (one by
+    default: a measured message takes long enough that a shaper's burst does not show, and a
+    reading that may have is dropped, :func:`_rates`), and each
     other pair is stood in for by those whose sizing probes, both ways, are within ``tolerance``
     times its own (the caller takes the slowest of their readings: a fast one may be a traffic
     shaper's burst). A pair that matches none is measured too: a device behind its own slower
@@ -464,14 +473,21 @@ def _initiate(
 ) -> tuple[float, float] | None:
     """``iterations`` ping-pairs; without ``size`` the first is a probe that sizes the rest.
 
-    With a single probe iteration the probe's own figures are returned (phase 1).
+    With a single probe iteration the probe's own figures are returned (phase 1). Each measured
+    large message after the first is sized to take about ``_TARGET_S`` at the rate the one
+    before it showed: a size taken from a probe that a shaper's burst sped up (or that shared a
+    WAN link in its round) would otherwise take seconds, or too little time, in every repeat.
     """
     small_rtt: list[float] = []
-    large_rtt: list[float] = []
+    timed: list[tuple[int, float]] = []  # (large message bytes, its round trip)
     probe = size is None
     if size is None:
         size = max(len(small) + 1, min(len(large), _PROBE_BYTES))
     for iteration in range(iterations):
+        if not probe and _agree(timed, min(small_rtt, default=0.0), len(small)):
+            small[0] = _DONE  # the responder stops waiting for more repeats
+            context.send(small)
+            break
         go = time.perf_counter() < context.deadline
         small[0] = _CONTINUE if go else _STOP
         small[1:_HEADER_BYTES] = torch.tensor([size], dtype=torch.int64).view(torch.uint8)
@@ -485,22 +501,38 @@ def _initiate(
         context.recv(small)
         end = time.perf_counter()
         small_rtt.append(middle - begin)
-        large_rtt.append(end - middle)
+        timed.append((size, end - middle))
+        if probe and iteration == 0 and iterations == 1:
+            break  # the probe is the measurement
         if probe and iteration == 0:
-            if iterations == 1:
-                break  # the probe is the measurement
             small_rtt.clear()
-            large_rtt.clear()
-            # Size the measured messages to take about _TARGET_S on this link.
-            rough = size / max(end - middle - (middle - begin), 1e-6)
-            size = int(min(len(large), max(size, rough * _TARGET_S)))
-    small_s, large_s = min(small_rtt), min(large_rtt)  # noise only adds time: see the docstring
-    extra_bytes = size - len(small)
-    # The extra bytes took (large_s - small_s); noise on a very fast link can make that <= 0, so
-    # fall back to the lower bound "the whole large message fit in its round trip".
-    extra_s = large_s - small_s
-    bandwidth = extra_bytes / extra_s if extra_s > 0 else size / max(large_s, 1e-9)
-    return small_s / 2, bandwidth
+            timed.clear()
+        # Size the next message to take about _TARGET_S at the rate this one showed.
+        rough = size / max(end - middle - (middle - begin), 1e-6)
+        size = int(min(len(large), max(len(small) + 1, rough * _TARGET_S)))
+    small_s = min(small_rtt)  # noise only adds time: see the module docstring
+    return small_s / 2, max(_rates(timed, small_s, len(small)))
+
+
+def _rates(timed: Sequence[tuple[int, float]], small_s: float, small_bytes: int) -> list[float]:
+    """Each large message's rate: its extra bytes over the time they added to the small round
+    trip ``small_s``; the fastest is the one that saw the link alone. Noise on a very fast link
+    can make that time <= 0: then the lower bound "the whole message fit in its round trip".
+    Only messages that took half of ``_TARGET_S`` or more count when there are any: a shorter
+    one may have ridden a traffic shaper's burst, the fastest reading of all and a wrong one."""
+    long = [(sent, rtt) for sent, rtt in timed if rtt - small_s >= _TARGET_S / 2] or timed
+    return [
+        (sent - small_bytes) / (rtt - small_s) if rtt > small_s else sent / max(rtt, 1e-9)
+        for sent, rtt in long
+    ]
+
+
+def _agree(timed: Sequence[tuple[int, float]], small_s: float, small_bytes: int) -> bool:
+    """Whether the two fastest readings so far lie within ``_AGREE`` of each other."""
+    if len(timed) < 2:
+        return False
+    rates = sorted(_rates(timed, small_s, small_bytes), reverse=True)
+    return len(rates) >= 2 and rates[1] >= rates[0] * (1 - _AGREE)
 
 
 def _respond(
@@ -508,6 +540,8 @@ def _respond(
 ) -> bool:
     for _ in range(iterations):
         context.recv(small)
+        if int(small[0]) == _DONE:
+            return True
         if int(small[0]) == _STOP:
             return False
         size = int(small[1:_HEADER_BYTES].clone().view(torch.int64)[0])

@@ -5,9 +5,13 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
+
 from lightning_deepcee.runtime.measure import round_robin_rounds
 from lightning_deepcee.runtime.measure.network import (
     NetworkMeasurement,
+    _agree,
+    _rates,
     check_pairs,
     kept_agrees,
     representative_pairs,
@@ -27,13 +31,14 @@ def _across(group_of: dict[int, int]) -> list[tuple[int, int]]:
     return [p for pairs in rounds for p in pairs if group_of[p[0]] != group_of[p[1]]]
 
 
-def test_each_pair_of_groups_measures_two_pairs_and_the_rest_borrow_alike() -> None:
+def test_each_pair_of_groups_measures_per_link_pairs_and_the_rest_borrow_alike() -> None:
     # cee8-like: 3 cloud (group 0), 3 edge (1), 2 end (2); asymmetric uplinks.
     group_of = {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1, 6: 2, 7: 2}
     speed = {(g, h): (100 if g == h else 10 + 3 * g + h) * MB for g in range(3) for h in range(3)}
     across = _across(group_of)
     assert len(across) == 9 + 6 + 6
-    stand_ins = representative_pairs(across, group_of, _probe(group_of, speed))
+    assert len(across) - len(representative_pairs(across, group_of, _probe(group_of, speed))) == 3
+    stand_ins = representative_pairs(across, group_of, _probe(group_of, speed), per_link=2)
     measured = [p for p in across if p not in stand_ins]
     assert len(measured) == 2 * 3  # two per pair of groups
     for (low, high), alike in stand_ins.items():
@@ -63,7 +68,8 @@ def test_no_stand_in_within_the_budget_of_two_pairs_per_link() -> None:
     for sizes in ((1, 1), (2, 1), (1, 2, 1)):
         group_of = dict(enumerate(g for g, size in enumerate(sizes) for _ in range(size)))
         speed = {k: 5 * MB for k in itertools.product(range(len(sizes)), repeat=2)}
-        assert representative_pairs(_across(group_of), group_of, _probe(group_of, speed)) == {}
+        probe = _probe(group_of, speed)
+        assert representative_pairs(_across(group_of), group_of, probe, per_link=2) == {}
 
 
 def test_kept_links_are_checked_on_one_pair_between_every_two_network_groups() -> None:
@@ -92,3 +98,21 @@ def test_kept_links_are_checked_on_one_pair_between_every_two_network_groups() -
     now[4][2] = far / 2  # the far link lost half, one way
     assert not kept_agrees(kept, now, pairs)
     assert kept_agrees(kept, now, pairs, tolerance=2.5)
+
+
+def test_a_pair_stops_repeating_once_its_two_fastest_readings_agree() -> None:
+    small = 1024
+    # 2 MB in 0.2 s over a 1 ms small round trip: about 10 MB/s; then 5% slower, then 30% slower.
+    near = [(2_000_000, 0.201), (2_000_000, 0.2115)]
+    assert _agree(near, 0.001, small)
+    assert not _agree(near[:1], 0.001, small)  # one reading confirms nothing
+    assert not _agree([(2_000_000, 0.201), (2_000_000, 0.261)], 0.001, small)
+
+
+def test_a_short_message_that_may_have_ridden_a_burst_does_not_count() -> None:
+    small = 1024
+    # A 100 kB message served in 10 ms by a shaper's burst (10 MB/s), then 2 MB at 1 MB/s in 2 s.
+    rates = _rates([(100_000, 0.011), (2_000_000, 2.001)], 0.001, small)
+    assert rates == [pytest.approx((2_000_000 - small) / 2.0)]
+    # With no message long enough, every reading counts (a fast LAN link).
+    assert len(_rates([(100_000, 0.011), (200_000, 0.021)], 0.001, small)) == 2

@@ -16,7 +16,7 @@ def test_profile_rounds_default_and_bad_values() -> None:
 
 
 def test_profile_block_budget_default_none_and_bad_values() -> None:
-    assert DeepCEEStrategy().profile_settings.block_budget_s == 10.0
+    assert DeepCEEStrategy().profile_settings.block_budget_s == 6.0
     assert DeepCEEStrategy(profile_block_budget_s=None).profile_settings.block_budget_s is None
     for bad in (0.0, -5.0):
         with pytest.raises(ValueError, match=r"profile_block_budget_s=.*must be > 0"):
