@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from lightning_deepcee.planner.candidates import (
     Candidate,
@@ -243,9 +243,9 @@ def plan_search(
         finalists.append(everyone)
     full: dict[tuple[int, ...], Plan] = {}
     others: dict[tuple[int, ...], list[Plan]] = {}
-    for ranks in finalists:
-        others[ranks] = []
-        full[ranks] = search(subset_profile(ranks), others=others[ranks])
+    searched = _search_each(search, [subset_profile(r) for r in finalists], map_fn, map_width)
+    for ranks, (plan, rest) in zip(finalists, searched, strict=True):
+        full[ranks], others[ranks] = plan, rest
     faster = min(full, key=lambda ranks: full[ranks].predicted_step_time_s)
     within = full[faster].predicted_step_time_s * (1 + device_gain)
     if best_zone is not None:  # fewer devices, but never slower than the best zone alone
@@ -321,6 +321,32 @@ def _with_bounds(
         cluster_bound_s=compute_bound_s(rates, range(profile.num_devices), global_batch_size),
         step_parts_s=parts,
     )
+
+
+def _search_each(
+    search: Callable[..., Plan],
+    profiles: Sequence[ClusterProfile],
+    map_fn: MapFn,
+    width: int,
+) -> list[tuple[Plan, list[Plan]]]:
+    """The full search of each finalist device set and its other best plans. When ``map_fn``
+    runs calls side by side, one call per set, each search serial inside (one wide map instead
+    of a dozen narrow ones, each a wait for its slowest call); else one set after another, each
+    spreading its own calls."""
+    if width > 1 and len(profiles) > 1:
+        serial = functools.partial(search, map_fn=serial_map)
+        costs = [float(p.num_devices**2) for p in profiles]  # larger sets have more to search
+        found: list[tuple[Plan, list[Plan]]] = map_fn(
+            functools.partial(_full_search, serial), list(profiles), costs
+        )
+        return found
+    return [_full_search(search, profile) for profile in profiles]
+
+
+def _full_search(search: Callable[..., Plan], profile: ClusterProfile) -> tuple[Plan, list[Plan]]:
+    """``search(profile)`` and the other best plans it scored."""
+    others: list[Plan] = []
+    return search(profile, others=others), others
 
 
 def _keep_others(found: list[Plan], best: Plan) -> None:

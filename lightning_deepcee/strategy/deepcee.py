@@ -118,7 +118,7 @@ class DeepCEEStrategy(DDPStrategy):
         profile_rounds: block timings are measured this many times and each figure taken at
             its median (one reading under a CPU quota is noisy); 1 measures once.
         profile_block_budget_s: about how long each device may spend timing its blocks (a slow
-            one takes fewer rounds, at least one of two); ``None``: ``profile_rounds`` rounds.
+            one takes fewer rounds and repeats, at least one); ``None``: ``profile_rounds`` rounds.
         device_cache: where each device keeps its block timings (same model, micro-batch, quota)
             and rank 0 the link figures (reused while a probe of each pair agrees) and the plan
             set-up chose on that profile; ``"auto"``: one per torchrun elastic job; ``None``: no.

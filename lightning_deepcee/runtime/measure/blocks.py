@@ -192,7 +192,7 @@ def measure_blocks(
 
     **Budget.** With ``budget_s``, one untimed pass first measures how long a pass takes, and
     :func:`fit_passes` cuts ``rounds``, then ``repeats`` and ``warmup`` (never below one round of
-    two repeats) so that the whole measurement, the blocks' inputs and memory included, takes
+    one repeat) so that the whole measurement, the blocks' inputs and memory included, takes
     about ``budget_s``: a device at a tenth of a core would otherwise spend minutes here while
     every other device waits for it.
 
@@ -247,7 +247,9 @@ def fit_passes(
 ) -> tuple[int, int, int]:
     """``(rounds, repeats, warmup)`` for :func:`measure_blocks` that fit ``budget_s`` seconds when
     one pass over the timed blocks takes ``pass_s``; at most the given figures, at least one round
-    of two timed repeats and no warmup (the probe pass warmed up).
+    of one timed repeat and no warmup (the probe pass warmed up). A single repeat keeps a block's
+    share of the pass less steady, and the sustained passes still give the device's speed: on
+    a device at a tenth of a core the second repeat alone costs seconds of every set-up.
 
     A round costs ``(warmup + repeats) * 1.5 + 0.9 * repeats`` passes (the timed passes at both
     sizes, the merged-backward passes), each after a sleep of ``sleep_s`` on average (the random
@@ -267,8 +269,8 @@ def fit_passes(
     for num_rounds in range(rounds, 0, -1):
         if cost(num_rounds, repeats, warmup) <= budget_s:
             return num_rounds, repeats, warmup
-    fit = [r for r in range(2, repeats + 1) if cost(1, r, 0) <= budget_s]
-    num_repeats = max(fit, default=2)
+    fit = [r for r in range(1, repeats + 1) if cost(1, r, 0) <= budget_s]
+    num_repeats = max(fit, default=1)
     fit = [w for w in range(warmup + 1) if cost(1, num_repeats, w) <= budget_s]
     return 1, num_repeats, max(fit, default=0)
 

@@ -351,11 +351,12 @@ def representative_pairs(
     between two large groups would cost minutes. Devices of one network group reach another
     group over the same links, so ``per_link`` pairs per pair of groups are measured (one by
     default: a measured message takes long enough that a shaper's burst does not show, and a
-    reading that may have is dropped, :func:`_rates`), and each
-    other pair is stood in for by those whose sizing probes, both ways, are within ``tolerance``
-    times its own (the caller takes the slowest of their readings: a fast one may be a traffic
-    shaper's burst). A pair that matches none is measured too: a device behind its own slower
-    access link keeps its own figure.
+    reading that may have is dropped, :func:`_rates`), and each other pair is stood in for by
+    those whose sizing probes are alike: the slower direction of each within ``tolerance``
+    times the other's. The slower direction, because a short probe often rides a shaper's
+    burst one way (reading several times the link's rate) and seldom both ways; the caller
+    takes, each way, the slowest reading of the stand-ins. A pair that matches none is
+    measured too: a device behind its own slower access link, either way, keeps its figure.
     """
     measured: dict[tuple[int, int], list[tuple[int, int]]] = {}
     stand_ins: dict[tuple[int, int], list[tuple[int, int]]] = {}
@@ -366,11 +367,9 @@ def representative_pairs(
         mine = measured.setdefault((group_of[x], group_of[y]), [])
 
         def alike(a: int, b: int, x: int = x, y: int = y) -> bool:
-            return all(
-                probe_bandwidth[i][j] <= tolerance * probe_bandwidth[u][v]
-                and probe_bandwidth[u][v] <= tolerance * probe_bandwidth[i][j]
-                for (i, j), (u, v) in (((x, y), (a, b)), ((y, x), (b, a)))
-            )
+            mine_s = min(probe_bandwidth[x][y], probe_bandwidth[y][x])
+            theirs = min(probe_bandwidth[a][b], probe_bandwidth[b][a])
+            return mine_s <= tolerance * theirs and theirs <= tolerance * mine_s
 
         matches = [(b, a) if swap else (a, b) for a, b in mine if alike(a, b)]
         if not matches or len(mine) < per_link:

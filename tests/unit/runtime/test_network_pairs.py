@@ -116,3 +116,22 @@ def test_a_short_message_that_may_have_ridden_a_burst_does_not_count() -> None:
     assert rates == [pytest.approx((2_000_000 - small) / 2.0)]
     # With no message long enough, every reading counts (a fast LAN link).
     assert len(_rates([(100_000, 0.011), (200_000, 0.021)], 0.001, small)) == 2
+
+
+def test_a_probe_that_rode_a_burst_one_way_still_borrows() -> None:
+    group_of = {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
+    probe = [
+        [100 * MB if group_of[i] == group_of[j] else 10 * MB for j in range(6)] for i in range(6)
+    ]
+    across = _across(group_of)
+    first = across[0]
+    assert len(representative_pairs(across, group_of, probe)) == len(across) - 1
+    for low, high in across[1:]:  # a burst one way: eight times the link's rate
+        probe[high][low] = 80 * MB
+    assert probe[first[1]][first[0]] == 10 * MB
+    assert len(representative_pairs(across, group_of, probe)) == len(across) - 1
+    for low, high in across[1:]:  # slower both ways than the first pair: one more measured
+        probe[low][high] = probe[high][low] = 2 * MB
+    stand_ins = representative_pairs(across, group_of, probe)
+    assert len(stand_ins) == len(across) - 2
+    assert all(first not in alike for alike in stand_ins.values())
