@@ -1,8 +1,8 @@
 """The plan search at set-up, with its independent calls spread over every rank.
 
 Every rank waits for the plan at set-up, and the search's costliest steps are independent calls
-of pure functions (:class:`~lightning_deepcee.planner.candidates.MapFn`: refining each of the
-best orders, fitting the compact schedule at each micro-batch count). Rank 0 runs the search; at
+of pure functions (:class:`~lightning_deepcee.planner.candidates.MapFn`: the device sets' quick
+searches, then the finalist sets' full searches, one call each). Rank 0 runs the search; at
 each such step it broadcasts the function and its items, every rank makes the calls assigned to
 it (costliest first, each to the device that would finish it first by the profile's
 capability), and rank 0 gathers the results in order. The plan is the serial search's: the same
@@ -31,7 +31,8 @@ T = TypeVar("T")
 def spread_plan_search(profile: ClusterProfile, **options: Any) -> Plan:
     """``plan_search(profile, **options)`` run by rank 0 with its independent calls spread over
     every rank of the default group, weighted by the devices' measured capability (the device
-    sets' quick searches in waves of one per rank); every rank returns the plan
+    sets' quick searches in waves of one per rank, then one call per finalist set's full
+    search); every rank returns the plan
     (``options["alternatives"]``, when given, is filled on rank 0 only)."""
     weights = [device.capability for device in sorted(profile.devices, key=lambda d: d.rank)]
 

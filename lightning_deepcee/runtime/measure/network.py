@@ -80,8 +80,8 @@ _HEADER_BYTES = 9
 _PROBE_BYTES = 256 * 2**10
 """The warm-up round sends at most this much; its time sizes the measured messages."""
 _TARGET_S = 0.2
-"""Measured large messages are sized to take about this long on the link (between the probe
-size and ``large_bytes``): a fixed 4 MiB message would take 1.7 s on a 20 Mbit/s WAN link, and
+"""Measured large messages are sized to take about this long on the link (at most
+``large_bytes``): a fixed 4 MiB message would take 1.7 s on a 20 Mbit/s WAN link, and
 the measurement sends ``2 * repeats`` of them per pair. Shorter is faster but reads high: a
 shorter message fits in a traffic shaper's burst allowance and measures the burst, not the rate."""
 
