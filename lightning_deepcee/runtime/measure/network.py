@@ -528,8 +528,6 @@ def _rates(timed: Sequence[tuple[int, float]], small_s: float, small_bytes: int)
 
 def _agree(timed: Sequence[tuple[int, float]], small_s: float, small_bytes: int) -> bool:
     """Whether the two fastest readings so far lie within ``_AGREE`` of each other."""
-    if len(timed) < 2:
-        return False
     rates = sorted(_rates(timed, small_s, small_bytes), reverse=True)
     return len(rates) >= 2 and rates[1] >= rates[0] * (1 - _AGREE)
 
