@@ -47,8 +47,9 @@ from typing import Any
 
 from lightning_deepcee.schedule import generators
 from lightning_deepcee.schedule.actions import Action, ActionKind
+from lightning_deepcee.schedule.compiled import compile_stage_schedule, move_compute
 from lightning_deepcee.schedule.generators import StageSchedule
-from lightning_deepcee.schedule.simulate import StageCosts, simulate_stages
+from lightning_deepcee.schedule.simulate import StageCosts, compiled_step_time, simulate_stages
 
 __all__ = [
     "COST_AWARE_SCHEDULE_KINDS",
@@ -316,8 +317,11 @@ def _local_search(
     num_microbatches: int,
     caps: Sequence[int],
 ) -> tuple[StageSchedule, float]:
-    """First-improvement moves of single W actions, a bounded number of passes."""
-    if sum(len(a) for a in schedule.values()) > _LOCAL_SEARCH_MAX_ACTIONS:
+    """First-improvement moves of single W actions, a bounded number of passes. Each trial is
+    the current compiled program with one W moved (:func:`move_compute`), timed without its
+    memory peak (the caps bound it)."""
+    compiled = compile_stage_schedule(schedule)
+    if compiled is None or sum(len(a) for a in schedule.values()) > _LOCAL_SEARCH_MAX_ACTIONS:
         return schedule, best_time
     for _ in range(_LOCAL_SEARCH_PASSES):
         improved = False
@@ -325,14 +329,13 @@ def _local_search(
             acts = list(schedule[s])
             if i >= len(acts) or acts[i].kind != W:
                 continue
-            w = acts.pop(i)
-            acts.insert(t, w)
-            trial = {**schedule, s: acts}
+            acts.insert(t, acts.pop(i))
             if in_flight_peak({s: acts})[s] > caps[s]:
                 continue
-            time = simulated_step_time(trial, costs, num_microbatches)
-            if time < best_time - 1e-9:
-                schedule, best_time, improved = trial, time, True
+            moved = move_compute(compiled, s, i, t)
+            time = compiled_step_time(moved, costs, num_microbatches)
+            if time is not None and time < best_time - 1e-9:
+                schedule, compiled, best_time, improved = {**schedule, s: acts}, moved, time, True
         if not improved:
             break
     return schedule, best_time

@@ -2,19 +2,22 @@
 
 The planner simulates thousands of candidate steps per search, most of them on the same few
 generated schedules. :func:`compile_schedule` turns a lowered schedule into per-rank tuples of
-small integers once (messages numbered, links numbered, actions checked against the placement);
-:func:`run_compiled` then runs the timing model of :mod:`~lightning_deepcee.schedule.simulate`
-with local variables and list indexing, and computes the memory peak from a second program
-that keeps only the actions that change held activations. It gives the same floats as the
-event-recording simulator: the same operations in the same order.
+small integers once (messages numbered, links numbered, actions checked against the placement)
+and orders every rank's actions into one sequence in which each receive follows its send (a
+deadlock shows there, once); :func:`run_compiled` then runs the timing model of
+:mod:`~lightning_deepcee.schedule.simulate` down that sequence with list indexing, and
+:func:`compiled_peak_memory` the memory peak from a second program that keeps only the actions
+that change held activations. It gives the same floats as the event-recording simulator: the
+same operations on each rank's clock and each link, in the same order.
 
 Pure: the standard library only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_deepcee.schedule.actions import Action, ActionKind
 from lightning_deepcee.schedule.render import render
@@ -25,6 +28,7 @@ __all__ = [
     "compile_schedule",
     "compile_stage_schedule",
     "compiled_peak_memory",
+    "move_compute",
     "quota_end",
     "run_compiled",
 ]
@@ -43,6 +47,8 @@ _CODE = {
 }
 Op = tuple[int, int, int, int, int]
 """(code, stage, micro-batch, message, link): message and link are -1 where unused."""
+FlatOp = tuple[int, int, int, int, int, int]
+"""(rank index, code, stage, micro-batch, message, link): one action of a run order."""
 MemoryOp = tuple[int, int, int, int]
 """(stage, micro-batch, held slot added by an F or -1, held slot released by a W/BW or -1)."""
 
@@ -66,6 +72,12 @@ class CompiledSchedule:
     """The largest stage an action names (checked against the costs at run time)."""
     max_microbatch: int
     """The largest micro-batch an action names."""
+    order: tuple[FlatOp, ...] | None = field(default=None, compare=False)
+    """Every rank's actions in one order the timing model can run them in (each rank's in its
+    program's order, each receive after its send), ``None`` when some rank waits forever.
+    Which order does not change the figures (a rank's clock depends on its own actions and on
+    the messages it receives; a link carries one rank's sends, in that rank's order), so a
+    moved W keeps any valid one (:func:`move_compute`)."""
 
 
 def _memory_op(
@@ -140,6 +152,7 @@ def compile_schedule(
             tuple(s for s, r in stage_to_rank.items() if r == rank) for rank in ranks
         ),
         num_messages=len(messages),
+        order=_run_order(programs, len(messages)),
         num_links=len(links),
         num_slots=len(slots),
         max_stage=max_stage,
@@ -202,10 +215,77 @@ def compile_stage_schedule(
         memory_programs=tuple(memory_programs),
         rank_stages=tuple((s,) for s in range(num_stages)),
         num_messages=len(messages),
+        order=_run_order(programs, len(messages)),
         num_links=max(2 * last, 0),
         num_slots=len(slots),
         max_stage=max_stage,
         max_microbatch=max_mb,
+    )
+
+
+def _run_order(programs: Sequence[Sequence[Op]], num_messages: int) -> tuple[FlatOp, ...] | None:
+    """:attr:`CompiledSchedule.order`: each rank runs until it waits for a message not yet sent,
+    round after round (the event simulator's order); ``None`` on a deadlock."""
+    pos = [0] * len(programs)
+    sent = [False] * num_messages
+    out: list[FlatOp] = []
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, program in enumerate(programs):
+            p = start = pos[r]
+            while p < len(program):
+                code, s, mb, msg, link = program[p]
+                if code == _RECV and not sent[msg]:
+                    break
+                if code in (_SEND_F, _SEND_B):
+                    sent[msg] = True
+                out.append((r, code, s, mb, msg, link))
+                p += 1
+            if p != start:
+                pos[r], progressed = p, True
+    if any(pos[r] < len(program) for r, program in enumerate(programs)):
+        return None
+    return tuple(out)
+
+
+def move_compute(
+    compiled: CompiledSchedule, stage: int, source: int, target: int
+) -> CompiledSchedule:
+    """``compiled`` (one stage per rank, :func:`compile_stage_schedule`) with the compute action
+    at index ``source`` of ``stage``'s actions moved to index ``target`` (as ``list.pop`` then
+    ``list.insert``): what compiling the moved schedule gives, for an action without transfers
+    (a W), whose move leaves every message, link and held slot numbered as it was. The compact
+    fitter's local search tries thousands of such moves; only the moved stage is rebuilt.
+
+    Raises:
+        ValueError: the action at ``source`` is not a W.
+    """
+    program = list(compiled.programs[stage])
+    computes = [i for i, op in enumerate(program) if op[0] >= _F]
+    op = program.pop(computes[source])
+    if op[0] != _W:
+        raise ValueError(f"stage {stage}'s action {source} is not a W: only a W moves alone")
+    computes = [i for i, o in enumerate(program) if o[0] >= _F]
+    at = computes[target] if target < len(computes) else len(program)
+    if at > 0 and program[at - 1][0] == _RECV:
+        at -= 1  # before the receive of the action it now precedes
+    program.insert(at, op)
+    memory = list(compiled.memory_programs[stage])
+    memory.insert(target, memory.pop(source))
+    programs, memory_programs = list(compiled.programs), list(compiled.memory_programs)
+    programs[stage], memory_programs[stage] = tuple(program), tuple(memory)
+    order = None
+    if compiled.order is not None:  # the W right after the action it now follows
+        flat = list(compiled.order)
+        flat.remove((stage, *op))
+        if at > 0:
+            flat.insert(flat.index((stage, *program[at - 1])) + 1, (stage, *op))
+        else:
+            flat.insert(flat.index((stage, *program[1])), (stage, *op))
+        order = tuple(flat)
+    return dataclasses.replace(
+        compiled, programs=tuple(programs), memory_programs=tuple(memory_programs), order=order
     )
 
 
@@ -239,65 +319,49 @@ def run_compiled(
     """Each rank's final clock and busy seconds and the last end of any action or message;
     ``None`` when some rank waits forever (the caller reports the deadlock). ``quota`` gives
     each stage's (share, period), or is ``None`` for no quota anywhere."""
+    order = compiled.order
+    if order is None:
+        return None
     count = len(compiled.ranks)
-    pos = [0] * count
     clock = [0.0] * count
     busy = [0.0] * count
     link_free = [0.0] * compiled.num_links
-    arrival = [-1.0] * compiled.num_messages
+    arrival = [0.0] * compiled.num_messages
+    # Seconds per stage by action code (the codes below _F are transfers: never looked up).
+    compute = (*[forward_s] * _F, forward_s, backward_input_s, backward_weight_s, backward_s)
+    limited = None
+    if quota is not None:
+        limited = [share < 1.0 and period > 0.0 for share, period in quota]
     credit: dict[int, tuple[float, float]] = {}
     last_end = 0.0
-    programs = compiled.programs
-    progressed = True
-    while progressed:
-        progressed = False
-        for r in range(count):
-            program = programs[r]
-            p, clk, n = pos[r], clock[r], len(program)
-            start_p = p
-            while p < n:
-                code, s, mb, msg, link = program[p]
-                if code == _RECV:
-                    t = arrival[msg]
-                    if t < 0.0:
-                        break
-                    if t > clk:
-                        clk = t
-                elif code in (_SEND_F, _SEND_B):
-                    hop = send_forward_s[s] if code == _SEND_F else send_backward_s[s - 1]
-                    free = link_free[link]
-                    end = (clk if clk >= free else free) + hop * scale[mb]
-                    link_free[link] = end
-                    arrival[msg] = end
-                    if end > last_end:
-                        last_end = end
-                else:
-                    if code == _F:
-                        seconds = forward_s[s]
-                    elif code == _B:
-                        seconds = backward_input_s[s]
-                    elif code == _W:
-                        seconds = backward_weight_s[s]
-                    else:
-                        seconds = backward_s[s]
-                    seconds *= scale[mb]
-                    if quota is not None and quota[s][0] < 1.0 and quota[s][1] > 0.0:
-                        share, period = quota[s]
-                        before, banked = credit.get(r, (0.0, 0.0))
-                        end, banked = quota_end(share, period, before, banked, clk, seconds)
-                        credit[r] = (end, banked)
-                    else:
-                        end = clk + seconds
-                    busy[r] += end - clk
-                    clk = end
-                    if end > last_end:
-                        last_end = end
-                p += 1
-            if p != start_p:
-                progressed = True
-            pos[r], clock[r] = p, clk
-    if any(pos[r] < len(programs[r]) for r in range(count)):
-        return None
+    for r, code, s, mb, msg, link in order:
+        if code == _RECV:
+            t = arrival[msg]
+            if t > clock[r]:
+                clock[r] = t
+        elif code <= _SEND_B:
+            hop = send_forward_s[s] if code == _SEND_F else send_backward_s[s - 1]
+            clk, free = clock[r], link_free[link]
+            end = (clk if clk >= free else free) + hop * scale[mb]
+            link_free[link] = end
+            arrival[msg] = end
+            if end > last_end:
+                last_end = end
+        else:
+            seconds = compute[code][s] * scale[mb]
+            clk = clock[r]
+            if limited is not None and limited[s]:
+                assert quota is not None
+                share, period = quota[s]
+                before, banked = credit.get(r, (0.0, 0.0))
+                end, banked = quota_end(share, period, before, banked, clk, seconds)
+                credit[r] = (end, banked)
+            else:
+                end = clk + seconds
+            busy[r] += end - clk
+            clock[r] = end
+            if end > last_end:
+                last_end = end
     return clock, busy, last_end
 
 

@@ -55,7 +55,14 @@ from lightning_deepcee.schedule.lowering import lower
 from lightning_deepcee.schedule.render import render
 from lightning_deepcee.schedule.validate import ScheduleError
 
-__all__ = ["SimEvent", "SimulationResult", "StageCosts", "simulate", "simulate_stages"]
+__all__ = [
+    "SimEvent",
+    "SimulationResult",
+    "StageCosts",
+    "compiled_step_time",
+    "simulate",
+    "simulate_stages",
+]
 
 K = ActionKind
 _MessageKey = tuple[ActionKind, int, int]
@@ -515,20 +522,7 @@ def _simulate_compiled(
             return None
     if compiled.max_stage >= p or compiled.max_microbatch >= m:
         return None
-    quota = None
-    if costs.cpu_share is not None and costs.cpu_period_s is not None:
-        quota = tuple(zip(costs.cpu_share, costs.cpu_period_s, strict=True))
-    ran = run_compiled(
-        compiled,
-        forward_s=costs.forward_s,
-        backward_input_s=costs.backward_input_s,
-        backward_weight_s=costs.backward_weight_s,
-        backward_s=costs.merged_backward_s,
-        send_forward_s=costs.send_forward_s,
-        send_backward_s=costs.send_backward_s,
-        scale=scale,
-        quota=quota,
-    )
+    ran = _run(compiled, costs, scale)
     if ran is None:
         return None
     clock, busy, last_end = ran
@@ -539,6 +533,38 @@ def _simulate_compiled(
         per_rank_busy_s=dict(zip(compiled.ranks, busy, strict=True)),
         bubble_ratio=1.0 - sum(busy) / capacity if capacity > 0 else 0.0,
         peak_memory_bytes=_peak(compiled, costs, scale),
+    )
+
+
+def compiled_step_time(
+    compiled: CompiledSchedule, costs: StageCosts, num_microbatches: int
+) -> float | None:
+    """The step time alone (no memory peak) of a schedule compiled with its stages' costs in
+    mind (:func:`~lightning_deepcee.schedule.compiled.compile_stage_schedule`, whose stages
+    and micro-batches ``costs`` and ``num_microbatches`` must cover); ``None`` when the ranks
+    deadlock. The compact fitter's local search times thousands of candidates this way."""
+    scale = costs.microbatch_scale or (1.0,) * num_microbatches
+    ran = _run(compiled, costs, scale)
+    return None if ran is None else max([*ran[0], ran[2]], default=0.0)
+
+
+def _run(
+    compiled: CompiledSchedule, costs: StageCosts, scale: Sequence[float]
+) -> tuple[list[float], list[float], float] | None:
+    """:func:`~lightning_deepcee.schedule.compiled.run_compiled` on ``costs``."""
+    quota = None
+    if costs.cpu_share is not None and costs.cpu_period_s is not None:
+        quota = tuple(zip(costs.cpu_share, costs.cpu_period_s, strict=True))
+    return run_compiled(
+        compiled,
+        forward_s=costs.forward_s,
+        backward_input_s=costs.backward_input_s,
+        backward_weight_s=costs.backward_weight_s,
+        backward_s=costs.merged_backward_s,
+        send_forward_s=costs.send_forward_s,
+        send_backward_s=costs.send_backward_s,
+        scale=scale,
+        quota=quota,
     )
 
 

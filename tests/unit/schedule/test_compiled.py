@@ -15,11 +15,22 @@ import pytest
 
 from lightning_deepcee.schedule.actions import Action, ActionKind
 from lightning_deepcee.schedule.compact import compact_zero_bubble
-from lightning_deepcee.schedule.compiled import compile_schedule, compile_stage_schedule
+from lightning_deepcee.schedule.compiled import (
+    compile_schedule,
+    compile_stage_schedule,
+    move_compute,
+)
 from lightning_deepcee.schedule.generators import SCHEDULE_KINDS, StageSchedule, generate
 from lightning_deepcee.schedule.lowering import lower
-from lightning_deepcee.schedule.simulate import StageCosts, simulate, simulate_stages
+from lightning_deepcee.schedule.simulate import (
+    StageCosts,
+    compiled_step_time,
+    simulate,
+    simulate_stages,
+)
 from lightning_deepcee.schedule.validate import ScheduleError
+
+W = ActionKind.W
 
 
 def _costs(rng: random.Random, p: int, m: int, *, quota: bool, unequal: bool) -> StageCosts:
@@ -131,3 +142,27 @@ def test_a_stage_schedule_that_cannot_be_compiled_before_lowering_raises_as_lowe
     assert compile_stage_schedule(stuck) is not None
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate_stages(stuck, costs, num_microbatches=4)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_w_moved_in_the_compiled_program_equals_compiling_the_moved_schedule(seed: int) -> None:
+    rng = random.Random(300 + seed)
+    p, m = rng.randint(2, 6), rng.randint(2, 9)
+    costs = _costs(rng, p, m, quota=seed % 2 == 1, unequal=seed % 3 == 2)
+    schedule = compact_zero_bubble(costs, m)
+    compiled = compile_stage_schedule(schedule)
+    assert compiled is not None
+    for _ in range(6):  # a chain of moves, each on the previous program
+        stage = rng.choice([s for s, acts in schedule.items() if any(a.kind == W for a in acts)])
+        acts = list(schedule[stage])
+        i = rng.choice([j for j, a in enumerate(acts) if a.kind == W])
+        t = rng.randint(i, len(acts) - 1)  # later: still after its B
+        acts.insert(t, acts.pop(i))
+        schedule = {**schedule, stage: acts}
+        compiled = move_compute(compiled, stage, i, t)
+        assert compiled == compile_stage_schedule(schedule)
+        step = compiled_step_time(compiled, costs, m)
+        assert step == simulate_stages(schedule, costs, num_microbatches=m).step_time_s
+    with pytest.raises(ValueError, match="not a W"):
+        first_f = next(j for j, a in enumerate(schedule[0]) if a.kind == ActionKind.F)
+        move_compute(compiled, 0, first_f, first_f + 1)
