@@ -56,14 +56,18 @@ class StepTotals:
         tokens: float,
         metrics: dict[str, Any],
         device: torch.device,
+        signal: float = 0.0,
     ) -> Callable[[], torch.Tensor]:
         """Post this rank's part of the sum (zeros where it holds none); the returned callable
-        waits and returns ``[loss, tokens, *metrics]`` summed over every rank. Every rank posts
-        exactly once per step, after :meth:`agree_names` has run."""
+        waits and returns ``[loss, tokens, *metrics, signal]`` summed over every rank (a rank's
+        ``signal`` tells every other rank something at the end of the same step: a device
+        waits to join). Every rank posts exactly once per step, after :meth:`agree_names`."""
         if self.names is None:
             raise RuntimeError("StepTotals.post before the ranks agreed on the metric names")
         shares = [float(metrics.get(name, 0.0)) for name in self.names]
-        figures = torch.tensor([0.0, float(tokens), *shares], dtype=torch.float64, device=device)
+        figures = torch.tensor(
+            [0.0, float(tokens), *shares, float(signal)], dtype=torch.float64, device=device
+        )
         if loss is not None:
             figures[0] = loss.detach().double()
         if self._group is None and dist.get_world_size() > 1:

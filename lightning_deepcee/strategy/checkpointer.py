@@ -69,11 +69,14 @@ class ShardedCheckpointer:
     def writer(self, rank: int, world_size: int) -> CheckpointWriter:
         """This rank's writer (created at the first save)."""
         if self._writer is None:
+            # One writer per group: the group's token in its keys tells them apart, so every
+            # rank names it alike, a device that joined as well (it made no writer before).
             self._writer = CheckpointWriter(
                 rank,
                 world_size,
                 default_store() if world_size > 1 else None,
                 asynchronous=self.asynchronous,
+                name="writer",
             )
         return self._writer
 

@@ -15,7 +15,7 @@ same update a single device computes on the whole batch.
 
 The class holds Lightning's hooks only and delegates to parts that own their state (this
 module's imports from ``strategy/``): the stage part, the checkpointer, the step log, the failure
-naming, the recovery; the set-up steps (profile, plan, build, trial) are functions.
+naming, the recovery, the admission; set-up's steps (profile, plan, build, trial) are functions.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from lightning_deepcee.runtime.liveness import DeviceLostError, agree_group_toke
 from lightning_deepcee.runtime.loaders import real_batch
 from lightning_deepcee.runtime.manual_layout import ManualLayout
 from lightning_deepcee.runtime.transport import TransferRecord
+from lightning_deepcee.strategy.admission import Admission
 from lightning_deepcee.strategy.checkpointer import (
     ShardedCheckpointer,
     check_same_checkpoint,
@@ -79,9 +80,8 @@ from lightning_deepcee.strategy.step_log import StepLog
 __all__ = ["START_TIMEOUT_S", "DeepCEEStrategy"]
 
 START_TIMEOUT_S = 600.0
-"""How long forming the process group waits for the last device to arrive. A device at a few
-percent of a core takes a minute or more to import torch and Lightning and build its model before
-it joins; the strategy's ``timeout_s`` (how soon a dead device stops the others) starts after."""
+"""How long forming the process group waits for the last device (a device at a few percent of a
+core takes a minute to import torch and build its model); ``timeout_s`` applies after."""
 
 
 class DeepCEEStrategy(DDPStrategy):
@@ -108,9 +108,8 @@ class DeepCEEStrategy(DDPStrategy):
             size; the quotient is the number of data-parallel pipeline replicas.
         placement: the global ranks of each stage, one per replica, e.g. ``[[2], [0], [1]]`` runs
             stage 0 on rank 2. ``None`` places stage ``s`` of replica ``d`` on ``d * S + s``.
-        profile: measure every device (per-block forward / input-gradient / weight-gradient
-            times on the first training micro-batch, memory) and every link (latency and
-            bandwidth, rounds of disjoint pairs) at setup, group devices, and print the table.
+        profile: measure every device (per-block F/B/W times on the first training micro-batch,
+            memory) and link (latency, bandwidth) at setup, group devices, print the table.
         profile_cache: a JSON/YAML file caching the profile, reused while the model and the
             cluster are unchanged (otherwise re-measured with a warning).
         profile_budget_s: the network measurement fails with an error naming the pair it was
@@ -122,21 +121,17 @@ class DeepCEEStrategy(DDPStrategy):
         device_cache: where each device keeps its block timings (same model, micro-batch, quota)
             and rank 0 the link figures (reused while a probe of each pair agrees) and the plan
             set-up chose on that profile; ``"auto"``: one per torchrun elastic job; ``None``: no.
-        timeout_s: seconds a collective or transfer may block: a dead device or link stops
-            every rank within about this long (plus 3 s of heartbeats) with a
-            ``DeviceLostError`` (lost rank, stage, host) or a ``RankFailedError`` (the failed
-            rank's error). Forming the group waits longer (``START_TIMEOUT_S``).
+        timeout_s: seconds a collective or transfer may block: a dead device stops every rank
+            within about this long (plus 3 s) with a ``DeviceLostError`` (rank, stage, host) or
+            a ``RankFailedError`` (the rank's own error); ``START_TIMEOUT_S`` to form the group.
         verbose: print the partition and schedule on rank 0 at setup.
-        receive_ahead: on gloo, post every receive of a step when it starts, into payload
-            slots sized by the last step, so senders never wait for the receiver to reach its
-            receive (gloo moves a message only once it is posted); identical results
+        receive_ahead: on gloo, post every receive of a step when it starts (gloo moves a
+            message only once it is posted), so senders never wait; identical results
             (docs/architecture.md). ``False`` posts each receive when the schedule reaches it.
-        freeze_gc: when training starts, collect garbage once and freeze what survives
-            (``gc.freeze()``), so later collections skip the model, the data and the framework
-            (one rank's collection pause stalls every stage); unfrozen when training ends.
-        async_checkpoint: a save snapshots this rank's state and returns; the files are written
-            and committed in the background (an interrupted save leaves the previous checkpoint
-            the newest complete one); ``False`` blocks until committed.
+        freeze_gc: when training starts, collect garbage once and ``gc.freeze()`` what survives:
+            later collections (one rank's pause stalls every stage) skip the model and data.
+        async_checkpoint: a save snapshots this rank's state and returns; the files are committed
+            in the background (an interrupted save leaves the previous one); ``False`` blocks.
         device_gain: the automatic plan uses more devices than another only when predicted at
             least this fraction faster (``plan_search``); 0 takes the fastest prediction.
         plan_trial: the automatic plan and up to ``plan_trial - 1`` rivals predicted within 10%
@@ -146,7 +141,8 @@ class DeepCEEStrategy(DDPStrategy):
             hop in training: ``"off"`` (exact), ``"auto"`` (``bf16`` or ``tah8`` per hop where
             the link makes it pay) or method names, e.g. ``["tah8"]`` (docs/compression.md).
         recover_in_process: a lost device's survivors re-plan, load the newest checkpoint and
-            redo the steps since in their processes (``recovery.py``); ``False``: restart.
+            redo the steps since in their processes (``recovery.py``), and a device started with
+            ``DEEPCEE_JOIN=1`` joins at a step boundary (``admission.py``); ``False``: restart.
     """
 
     strategy_name = "deepcee"
@@ -230,6 +226,8 @@ class DeepCEEStrategy(DDPStrategy):
         self.step_log = StepLog()
         """Runs and logs each step; keeps the last step's sample and token counts."""
         self.recovery = InProcessRecovery(recover_in_process, timeout_s=timeout_s)
+        self.admission = Admission()
+        """The doorway of the running job, and this device's way in when it joins one."""
         self.failures = FailureNaming()
         """This rank's heartbeat, the devices' names, and the naming of failed steps."""
         self._gc = GcFreeze()
@@ -313,9 +311,7 @@ class DeepCEEStrategy(DDPStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        self._precision_plugin = (
-            None if precision_plugin is None else wrap_precision(precision_plugin)
-        )
+        self._precision_plugin = precision_plugin and wrap_precision(precision_plugin)
 
     def _trainer(self) -> pl.Trainer | None:
         return self.lightning_module.trainer if self.lightning_module is not None else None
@@ -385,6 +381,7 @@ class DeepCEEStrategy(DDPStrategy):
             timer.report(trainer)
             self.setup_seconds = timer.flat()
             save_setup_record(trainer, self.plan, self.cluster_profile, choice.device_sets)
+            self.admission.at_setup(self, trainer)
         summarise_whole_model(trainer, self.stage_part.whole_model)
         assert self.plan is not None
         warn_at_setup(trainer, module, spec, self.plan)
@@ -449,6 +446,7 @@ class DeepCEEStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("DeepCEEStrategy.save_checkpoint does not take storage_options.")
         self.recovery.note_save(int(checkpoint.get("global_step", 0)))
+        self.admission.at_save(checkpoint)
         self.checkpointer.save(
             checkpoint,
             Path(filepath),
@@ -461,9 +459,8 @@ class DeepCEEStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: PATH, weights_only: bool | None = None) -> dict:
-        return self.checkpointer.load(
-            Path(checkpoint_path), self.stage_part, self.optimizers, hosts=self.failures.hosts
-        )
+        path, hosts = self.admission.checkpoint_path(Path(checkpoint_path)), self.failures.hosts
+        return self.checkpointer.load(path, self.stage_part, self.optimizers, hosts=hosts)
 
     @override
     def remove_checkpoint(self, filepath: PATH) -> None:
@@ -480,7 +477,10 @@ class DeepCEEStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         part, rank, device = self.stage_part, self.global_rank, self.root_device
-        return self.step_log.run(part, kind, batch, prefix, module=module, rank=rank, device=device)
+        signal = self.admission.signal(self) if prefix == "train" else 0.0  # a device knocks
+        return self.step_log.run(
+            part, kind, batch, prefix, module=module, rank=rank, device=device, signal=signal
+        )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -520,6 +520,7 @@ class DeepCEEStrategy(DDPStrategy):
         trainer = self._trainer()
         self.checkpointer.begin_step(trainer, self.is_global_zero)
         if trainer is not None:
+            self.admission.at_step_start(self, trainer, self.step_log.signal)
             self.trial.at_step_start(self, trainer)
 
     @override

@@ -50,11 +50,11 @@ class FailureNaming:
         if store is not None and world_size > 1:
             self._heartbeat = Heartbeat(store, rank, interval_s=HEARTBEAT_S).start()
 
-    def regrouped(self, members: list[int], rank: int) -> None:
-        """The process group was re-formed of ``members`` (old ranks; this rank is now ``rank``
-        of ``len(members)``): keys of the new group, and a heartbeat under them."""
+    def regrouped(self, hosts: list[str], rank: int) -> None:
+        """The process group was re-formed of the devices ``hosts`` (this rank is now ``rank``
+        of ``len(hosts)``): keys of the new group, and a heartbeat under them. Collective."""
         agree_group_token()
-        self.start(rank, len(members), [self._hosts[m] for m in members])
+        self.start(rank, len(hosts), hosts)
 
     def stop(self) -> None:
         if self._heartbeat is not None:

@@ -46,6 +46,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_deepcee._compat import tree_flatten
 from lightning_deepcee.planner import Plan
+from lightning_deepcee.profiler import ClusterProfile
 from lightning_deepcee.runtime import PipelineSpec
 from lightning_deepcee.runtime.checkpoint import load_meta, newest_checkpoint
 from lightning_deepcee.runtime.liveness import DeviceLostError
@@ -64,7 +65,14 @@ from lightning_deepcee.strategy.setup_plan import initial_plan
 from lightning_deepcee.strategy.setup_profile import ProfileSettings
 from lightning_deepcee.strategy.step_log import StepLog
 
-__all__ = ["KEEP_LIMIT_BYTES", "InProcessRecovery", "RecoveryHost"]
+__all__ = [
+    "KEEP_LIMIT_BYTES",
+    "InProcessRecovery",
+    "RecoveryHost",
+    "adopt_group",
+    "load_onto_layout",
+    "plan_on_profile",
+]
 
 KEEP_LIMIT_BYTES = 2 * 2**30
 """At most this many bytes of batches are kept for a replay (on the host, per rank)."""
@@ -263,11 +271,11 @@ class InProcessRecovery:
         lost = [host.failures.hosts[r] for r in range(world_size) if r not in members]
         _regroup(host, store, members, backend, timedelta(seconds=self.timeout_s))
         clock.lap("regroup")
-        plan = _survivors_plan(host)
+        plan = plan_on_profile(host)
         clock.lap("plan")
         host.stage_part.restore_blocks()
         build_layout(host, plan, trainer)
-        saved_step = self._load(host, path)
+        saved_step = load_onto_layout(host, path)
         clock.lap("load")
         redo = [s for s in self._steps[:-1] if s.step >= saved_step]
         for kept in redo:
@@ -312,26 +320,6 @@ class InProcessRecovery:
             return f"the newest complete checkpoint (step {saved}) is older than the steps kept"
         return None
 
-    def _load(self, host: RecoveryHost, path: Path) -> int:
-        """Load the checkpoint at ``path`` (the kept steps reach back to it: ``_why_not_now``)
-        onto the layout just built; its global step."""
-        checkpoint = host.checkpointer.load(
-            path, host.stage_part, host.optimizers, hosts=host.failures.hosts
-        )
-        if not host.is_idle:
-            module = host.lightning_module
-            assert module is not None
-            module.load_state_dict(checkpoint["state_dict"], strict=True)
-            for optimizer, state in zip(
-                host.optimizers, checkpoint["optimizer_states"], strict=True
-            ):
-                optimizer.load_state_dict(state)
-            for config, state in zip(
-                host.lr_scheduler_configs, checkpoint["lr_schedulers"], strict=True
-            ):
-                config.scheduler.load_state_dict(state)
-        return int(checkpoint.get("global_step", 0))
-
     def _train(
         self, host: RecoveryHost, trainer: pl.Trainer, kept: _Step, *, schedulers: bool
     ) -> torch.Tensor:
@@ -368,19 +356,34 @@ def _regroup(
     """Re-form the process group of ``members`` (old ranks) and make Lightning, the profile,
     the checkpoint writer and the strategy's own records use the new ranks."""
     rank = reform_group(store, members, host.global_rank, backend=backend, timeout=timeout)
-    # Lightning's ranks: torchelastic's environment reads them from the process environment.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(len(members)), GROUP_RANK=str(rank))
-    host.num_nodes = len(members)  # one process per node (why_not)
+    profile = None if host.cluster_profile is None else host.cluster_profile.subset(members)
+    adopt_group(host, rank, [host.failures.hosts[m] for m in members], profile)
+
+
+def adopt_group(
+    host: RecoveryHost, rank: int, hosts: list[str], profile: ClusterProfile | None
+) -> None:
+    """Make Lightning, the checkpoint writer and the strategy's records use the default process
+    group just formed (this rank is ``rank`` of ``len(hosts)``, whose devices are ``hosts``)
+    and the cluster ``profile`` of its members. Collective (a new group token)."""
+    # Lightning's ranks: torchelastic's and Lightning's environments read them from here.
+    ranks = {"RANK": rank, "WORLD_SIZE": len(hosts), "GROUP_RANK": rank, "NODE_RANK": rank}
+    os.environ.update({k: str(v) for k, v in ranks.items()})
+    host.num_nodes = len(hosts)  # one process per node (why_not)
     host.set_world_ranks()
-    if host.cluster_profile is not None:
-        host.cluster_profile = host.cluster_profile.subset(members)
+    if (host.global_rank, host.world_size) != (rank, len(hosts)):
+        raise RuntimeError(
+            f"DeepCEE: rank {rank} of {len(hosts)} in the new group, but Lightning's environment "
+            f"says {host.global_rank} of {host.world_size}"
+        )
+    host.cluster_profile = profile
     host.checkpointer.regrouped()
-    host.failures.regrouped(members, rank)
+    host.failures.regrouped(hosts, rank)
 
 
-def _survivors_plan(host: RecoveryHost) -> Plan:
-    """The plan for the devices left, searched on the profile the run has (no measurement,
-    no trial)."""
+def plan_on_profile(host: RecoveryHost) -> Plan:
+    """The plan for the group's devices, searched on the profile the run has (no measurement,
+    no trial). Collective (the search is spread over the ranks)."""
     assert host.spec is not None and host.plan is not None
     return initial_plan(
         "auto",
@@ -393,6 +396,25 @@ def _survivors_plan(host: RecoveryHost) -> Plan:
         compression=host.compression,
         device_cache=host.profile_settings.device_cache,
     ).plan
+
+
+def load_onto_layout(host: RecoveryHost, path: Path) -> int:
+    """Load the checkpoint at ``path`` onto the layout just built (re-partitioned): weights,
+    optimizer and scheduler states; its global step."""
+    checkpoint = host.checkpointer.load(
+        path, host.stage_part, host.optimizers, hosts=host.failures.hosts
+    )
+    if not host.is_idle:
+        module = host.lightning_module
+        assert module is not None
+        module.load_state_dict(checkpoint["state_dict"], strict=True)
+        for optimizer, state in zip(host.optimizers, checkpoint["optimizer_states"], strict=True):
+            optimizer.load_state_dict(state)
+        for config, state in zip(
+            host.lr_scheduler_configs, checkpoint["lr_schedulers"], strict=True
+        ):
+            config.scheduler.load_state_dict(state)
+    return int(checkpoint.get("global_step", 0))
 
 
 def _clear_frames(error: BaseException) -> None:

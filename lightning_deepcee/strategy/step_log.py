@@ -34,6 +34,8 @@ class StepLog:
         """Samples of the last step over all replicas."""
         self.tokens: int | None = None
         """Tokens of the last step (``PipelineSpec.tokens_fn``), ``None`` without one."""
+        self.signal = 0.0
+        """The ``signal`` of the last logged training step, summed over every rank."""
 
     def predict(self, part: PipelineStagePart, batch: Any) -> Any:
         """The pipeline's output for ``batch``, on every rank (``trainer.predict``)."""
@@ -69,11 +71,13 @@ class StepLog:
         module: pl.LightningModule,
         rank: int,
         device: torch.device,
+        signal: float = 0.0,
     ) -> torch.Tensor:
         """Run one step of ``kind`` (``"train"`` or ``"eval"``) on ``batch``; log and return the
         whole batch's loss on every rank, as ``<prefix>_loss`` and ``<prefix>_<name>`` (so
         whichever rank writes the logs has them; an empty ``prefix`` logs nothing: a replayed
-        step). An idle rank computes nothing and adds zeros."""
+        step). An idle rank computes nothing and adds zeros. ``signal`` is summed with the
+        other ranks' into :attr:`signal` (training steps that log)."""
         assert part.spec is not None
         tokens_fn, where = part.spec.tokens_fn, part.where
         # Tokens from each replica's first device (an idle rank's batch is a stand-in).
@@ -82,7 +86,7 @@ class StepLog:
         totals = self.totals
 
         def post(loss: torch.Tensor | None, metrics: dict[str, Any]) -> Callable[[], torch.Tensor]:
-            return totals.post(loss, tokens, metrics, device)
+            return totals.post(loss, tokens, metrics, device, signal)
 
         early = totals.names is not None and rank not in where.stages[-1]
         pending = post(None, {}) if early else None
@@ -100,7 +104,9 @@ class StepLog:
         value = summed[0].float()
         if not prefix:
             return value
+        if training:
+            self.signal = float(summed[-1].item())
         module.log(f"{prefix}_loss", value, prog_bar=True, on_step=training, on_epoch=True)
-        for name, metric in zip(totals.names, summed[2:].float(), strict=True):
+        for name, metric in zip(totals.names, summed[2:-1].float(), strict=True):
             module.log(f"{prefix}_{name}", metric, on_step=training, on_epoch=True)
         return value

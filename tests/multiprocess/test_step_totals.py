@@ -33,7 +33,9 @@ def _worker(rank: int, init: str, out: str) -> None:
         loss = torch.tensor(0.5 + step) if last else None
         metrics = {"acc": 0.25 * step} if last else {}
         early = figures.names is not None and not last
-        pending = figures.post(None, tokens, {}, torch.device("cpu")) if early else None
+        signal = 1.0 if rank == 0 and step == 1 else 0.0  # rank 0 raises a hand on step 1
+        cpu = torch.device("cpu")
+        pending = figures.post(None, tokens, {}, cpu, signal) if early else None
         # The step's work: a chain 0 -> 1 -> 2 on the default group, the last rank slowed, so
         # an early rank's sum is pending while the messages pass.
         message = torch.zeros(4)
@@ -46,7 +48,7 @@ def _worker(rank: int, init: str, out: str) -> None:
             assert message.tolist() == [3.0] * 4  # 0 + 1 + 2 along the chain
         if pending is None:
             figures.agree_names(metrics)
-            pending = figures.post(loss, tokens, metrics, torch.device("cpu"))
+            pending = figures.post(loss, tokens, metrics, cpu, signal)
         began = time.perf_counter()
         sums.append(pending().tolist())
         waited.append(time.perf_counter() - began)
@@ -60,7 +62,10 @@ def test_early_and_late_posts_sum_alike(tmp_path: Path) -> None:
     init = f"file://{tmp_path / 'store'}"
     mp.start_processes(_worker, args=(init, str(tmp_path)), nprocs=WORLD, start_method="spawn")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    expected = [[0.5 + step, 10.0 * (step + 1), 0.25 * step] for step in range(STEPS)]
+    expected = [
+        [0.5 + step, 10.0 * (step + 1), 0.25 * step, 1.0 if step == 1 else 0.0]
+        for step in range(STEPS)
+    ]
     for rank, got in enumerate(results):
         assert got["names"] == ["acc"], rank
         for step, (sums, want) in enumerate(zip(got["sums"], expected, strict=True)):
