@@ -83,7 +83,7 @@ class Answer:
 
 
 class Doorway:
-    """The job's side (rank 0 writes and answers; every rank may call :meth:`publish`)."""
+    """The job's side of the doorway: rank 0 publishes the note, looks for knocks, answers."""
 
     def __init__(self) -> None:
         self.token = ""
