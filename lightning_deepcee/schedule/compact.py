@@ -310,6 +310,16 @@ def _w_moves(schedule: StageSchedule) -> list[tuple[int, int, int]]:
     return moves
 
 
+def _w_in_place(acts: Sequence[Action], at: int) -> bool:
+    """Whether the W at ``at`` follows its B and keeps the Ws in micro-batch order."""
+    mb = acts[at].microbatch
+    if not any(a.kind == B and a.microbatch == mb for a in acts[:at]):
+        return False
+    before = [a.microbatch for a in acts[:at] if a.kind == W]
+    after = [a.microbatch for a in acts[at + 1 :] if a.kind == W]
+    return all(b < mb for b in before) and all(a > mb for a in after)
+
+
 def _local_search(
     schedule: StageSchedule,
     best_time: float,
@@ -330,8 +340,8 @@ def _local_search(
             if i >= len(acts) or acts[i].kind != W:
                 continue
             acts.insert(t, acts.pop(i))
-            if in_flight_peak({s: acts})[s] > caps[s]:
-                continue
+            if not _w_in_place(acts, t) or in_flight_peak({s: acts})[s] > caps[s]:
+                continue  # the moves were listed before an earlier move of this pass
             moved = move_compute(compiled, s, i, t)
             time = compiled_step_time(moved, costs, num_microbatches)
             if time is not None and time < best_time - 1e-9:
@@ -384,7 +394,7 @@ def compact_zero_bubble(
     best: StageSchedule | None = None
     best_key = (math.inf, math.inf)
     for cand in candidates:
-        if not _fits(cand, caps):
+        if not _fits(cand, caps) or not _in_order(cand):
             continue
         time = simulated_step_time(cand, costs, m)
         key = (time, float(sum(in_flight_peak(cand).values())))
@@ -392,8 +402,18 @@ def compact_zero_bubble(
             best, best_key = cand, key
     if best is None:  # pragma: no cover - the greedy always fits its own caps
         raise RuntimeError("compact schedule: no candidate fits the in-flight caps")
-    best, _ = _local_search(best, best_key[0], costs, m, caps)
-    return best
+    searched, _ = _local_search(best, best_key[0], costs, m, caps)
+    return searched if _in_order(searched) else best
+
+
+def _in_order(schedule: StageSchedule) -> bool:
+    """Whether every stage runs its Fs, its Bs and its Ws each in micro-batch order."""
+    for acts in schedule.values():
+        for kind in (F, B, W):
+            mbs = [a.microbatch for a in acts if a.kind == kind]
+            if mbs != sorted(mbs):
+                return False
+    return True
 
 
 def generate_for_costs(

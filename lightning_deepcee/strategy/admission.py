@@ -264,6 +264,7 @@ class Admission:
         shared: list[Any] = [hosts, self._profile_of(hosts) if rank == 0 else None]
         dist.broadcast_object_list(shared, src=0)
         hosts, profile = shared
+        joined = len(hosts) > host.world_size  # else the device did not come
         adopt_group(host, rank, hosts, profile)
         plan = plan_on_profile(host)
         clock.lap("plan")
@@ -273,10 +274,13 @@ class Admission:
         clock.lap("load")
         host.recovery.start(host, trainer, len(hosts))  # its kept steps begin here
         self._open(host, trainer)
-        self.admissions += 1
         seconds = round(time.time() - clock.began, 3)
-        self.last = {"device": hosts[-1], "world": len(hosts), "seconds": seconds, **clock.laps}
         laps = ", ".join(f"{k} {v:.1f} s" for k, v in clock.laps.items())
+        if not joined:
+            rank_zero_info(f"DeepCEE: no device joined; paused {seconds:.1f} s ({laps})")
+            return
+        self.admissions += 1
+        self.last = {"device": hosts[-1], "world": len(hosts), "seconds": seconds, **clock.laps}
         rank_zero_info(
             f"DeepCEE: {len(hosts)} devices ({', '.join(hosts)}) from step {trainer.global_step},"
             f" after a pause of {seconds:.1f} s ({laps})"

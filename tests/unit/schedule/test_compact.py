@@ -213,3 +213,18 @@ def test_bad_arguments() -> None:
     assert compact_zero_bubble(costs, 4, max_in_flight=[99] * 3) == compact_zero_bubble(
         costs, 4, max_in_flight=[4] * 3
     )
+
+
+def test_the_local_search_keeps_each_kind_in_micro_batch_order() -> None:
+    """A case where a move listed before an earlier move of the same pass put W 2 before W 1."""
+    costs = _costs(
+        [2.0, 3.0, 0.9375],
+        [1.0, 2.25, 2.1875],
+        [1.0, 0.5, 2.5],
+        [4.375, 3.0],
+        [0.0, 2.75],
+        [0.25, 0.75, 0.6875, 0.9375, 1.3125, 1.25, 1.5, 1.5, 1.5],
+    )
+    schedule = compact_zero_bubble(costs, 9, max_in_flight=[5, 5, 2])
+    _check_structure(schedule, 3, 9)
+    assert _time(schedule, costs, 9) <= _baselines(costs, 9)[0] + 1e-9
