@@ -51,6 +51,7 @@ from lightning_deepcee.runtime.admission import (
     wants_to_join,
 )
 from lightning_deepcee.runtime.measure.cluster import device_identity
+from lightning_deepcee.strategy.checkpointer import checkpoint_dir
 from lightning_deepcee.strategy.layout_build import build_layout
 from lightning_deepcee.strategy.recovery import (
     InProcessRecovery,
@@ -119,7 +120,7 @@ class Admission:
             if profile is not None and profile.num_devices == len(host.failures.hosts):
                 self._known, self._known_hosts = profile, list(host.failures.hosts)
             return
-        directory = _checkpoint_dir(trainer)
+        directory = checkpoint_dir(trainer)
         if directory is None:  # ckpt_path is known only once Lightning restores (_join checks)
             raise JoinError(
                 "a joining device resumes from the job's checkpoints: give it the job's "
@@ -138,7 +139,7 @@ class Admission:
     def _open(self, host: AdmissionHost, trainer: pl.Trainer) -> None:
         """Open the doorway of the current group (rank 0, when the job can take a device in
         its processes: the same conditions as recovering from a lost one)."""
-        directory, store = _checkpoint_dir(trainer), default_store()
+        directory, store = checkpoint_dir(trainer), default_store()
         self._opened = list(host.failures.hosts)
         if host.global_rank != 0 or not host.recovery.enabled or self._known is None:
             return
@@ -187,7 +188,7 @@ class Admission:
     # ---------------------------------------------------------------------------- the job
     def _admit(self, host: AdmissionHost, trainer: pl.Trainer) -> None:
         clock = _Clock()
-        directory = _checkpoint_dir(trainer)
+        directory = checkpoint_dir(trainer)
         assert directory is not None  # the doorway opens only with one
         step, rank, world = trainer.global_step, host.global_rank, host.world_size
         path = directory / f"join-step={step}"
@@ -314,8 +315,3 @@ def _leave(host: AdmissionHost) -> None:
     host.step_log.release_group()
     dist.destroy_process_group()
     gc.collect()
-
-
-def _checkpoint_dir(trainer: pl.Trainer) -> Path | None:
-    dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
-    return Path(dirpath) if dirpath else None

@@ -44,6 +44,7 @@ __all__ = [
     "FAILURE_FILE",
     "ShardedCheckpointer",
     "check_same_checkpoint",
+    "checkpoint_dir",
     "layout_record",
     "resumable_loader",
 ]
@@ -217,7 +218,7 @@ class ShardedCheckpointer:
     ) -> None:
         """Leave a failure record beside the checkpoints for the run that resumes, and let the
         save in flight finish (bounded) unless a device was lost (it cannot finish then)."""
-        directory = _checkpoint_dir(trainer)
+        directory = checkpoint_dir(trainer)
         lost_error = _device_lost(exception)
         if trainer is not None and directory is not None and trainer.state.fn == TrainerFn.FITTING:
             lost = lost_error.lost_ranks if lost_error is not None else None
@@ -363,7 +364,8 @@ def _chain(exception: BaseException | None) -> Iterator[BaseException]:
         exception = exception.__cause__ or exception.__context__
 
 
-def _checkpoint_dir(trainer: pl.Trainer | None) -> Path | None:
+def checkpoint_dir(trainer: pl.Trainer | None) -> Path | None:
+    """The checkpoint callback's directory, ``None`` without one."""
     callback = trainer.checkpoint_callback if trainer is not None else None
     dirpath = getattr(callback, "dirpath", None)
     return Path(dirpath) if dirpath else None

@@ -57,7 +57,7 @@ from lightning_deepcee.runtime.regroup import (
     leave_group,
     reform_group,
 )
-from lightning_deepcee.strategy.checkpointer import ShardedCheckpointer
+from lightning_deepcee.strategy.checkpointer import ShardedCheckpointer, checkpoint_dir
 from lightning_deepcee.strategy.failure_naming import FailureNaming
 from lightning_deepcee.strategy.layout_build import BuildHost, build_layout
 from lightning_deepcee.strategy.reporting import print_everywhere
@@ -184,7 +184,7 @@ class InProcessRecovery:
             return "several processes per node (a lost node takes all of them)"
         if not isinstance(environment, (TorchElasticEnvironment, LightningEnvironment)):
             return f"ranks come from {type(environment).__name__}, which cannot renumber them"
-        if _checkpoint_dir(trainer) is None:
+        if checkpoint_dir(trainer) is None:
             return "no checkpoint callback (the lost stage's state comes from a checkpoint)"
         if trainer.accumulate_grad_batches != 1:
             return "accumulate_grad_batches > 1"
@@ -247,7 +247,7 @@ class InProcessRecovery:
         """Recover from ``error`` inside the failed training step and return its loss; raise
         ``error`` (the job restarts) when this run cannot (see the module docstring)."""
         rank, world_size = host.global_rank, host.world_size
-        directory = _checkpoint_dir(trainer)
+        directory = checkpoint_dir(trainer)
         path = newest_checkpoint(directory) if directory is not None else None
         why = self._why_not_now(error, path)
         if why is not None:
@@ -432,8 +432,3 @@ def _tensor_bytes(batch: Any) -> int:
     """Bytes of the tensors in ``batch`` (any nesting torch's pytree knows)."""
     leaves = tree_flatten(batch)[0]
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-
-
-def _checkpoint_dir(trainer: pl.Trainer) -> Path | None:
-    dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
-    return Path(dirpath) if dirpath else None
