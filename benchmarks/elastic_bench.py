@@ -12,6 +12,13 @@ the whole job ``DeepCEEStrategy()`` (profile, plan, run) with ``ElasticCheckpoin
   first step after it, the steps redone, and the recovery's phases.
 - ``restart@K``: the same loss under ``recover_in_process=False``: torchrun's agents restart the
   whole job on the survivors, which resumes from the newest checkpoint.
+- ``return@K``: the loss of ``loss@K``; once the survivors have trained a step, the lost device
+  is started again to join the running job (the lab's ``join``: alone, outside torchrun,
+  ``DEEPCEE_JOIN=1``). Measured: seconds from its start to the end of the first step that uses
+  it, the longest time between two of the job's steps meanwhile, and the admission's phases.
+- ``return-restart@K``: the same loss and return under ``recover_in_process=False``, the device
+  started again under torchrun: the job restarts on the survivors, then again on every device
+  at the rendezvous the returning device joins.
 
 Step time is the median wall time between consecutive steps of rank 0 after ``--warmup`` steps
 (steps across a restart excluded). Arms run interleaved, ``--runs`` times, in one invocation.
@@ -46,6 +53,7 @@ def worker_main(argv: list[str]) -> None:
 
     from lightning_deepcee import DeepCEEStrategy, ElasticCheckpoint
     from lightning_deepcee.demo import ShakespeareDataModule
+    from lightning_deepcee.runtime.admission import wants_to_join
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -67,10 +75,11 @@ def worker_main(argv: list[str]) -> None:
     class Recorder(Callback):
         start = 0  # the job's starts before this one (each restart of the worker group adds one)
         reported = False  # the in-process recovery's record is in steps.jsonl
+        admitted = 0  # the admissions whose record is in steps.jsonl
 
         def on_fit_start(self, trainer: pl.Trainer, *rest: Any) -> None:
             starts = args.out / "starts.txt"
-            if trainer.is_global_zero:
+            if trainer.is_global_zero and not wants_to_join():  # a joining device: no start
                 with starts.open("a") as f:
                     f.write(f"{trainer.world_size}\n")
             trainer.strategy.barrier("starts")
@@ -94,6 +103,9 @@ def worker_main(argv: list[str]) -> None:
                 recovery = trainer.strategy.recovery  # type: ignore[attr-defined]
                 if recovery.last is not None and not self.reported:
                     row["recovery"], self.reported = recovery.last, True
+                admission = trainer.strategy.admission  # type: ignore[attr-defined]
+                if admission.admissions > self.admitted:
+                    row["admission"], self.admitted = admission.last, admission.admissions
                 with (args.out / "steps.jsonl").open("a") as f:
                     f.write(json.dumps(row) + "\n")
 
@@ -177,7 +189,29 @@ def loss_figures(rows: list[dict[str, Any]], killed_at: float | None) -> dict[st
     return figures
 
 
-_LOSS_ARMS = ("loss", "restart")
+def return_figures(rows: list[dict[str, Any]], joined_at: float | None, n: int) -> dict[str, Any]:
+    """The lost device started again at ``joined_at`` to join: seconds from then to the end of
+    the first step on all ``n`` devices, the longest time between two consecutive steps of the
+    job from the last step before it on, and the admission's record (``Admission.last``)."""
+    if joined_at is None:
+        return {}
+    before = [r for r in rows if r["t"] <= joined_at]
+    after = [r for r in rows if r["t"] > joined_at]
+    used = next((r for r in after if r["world"] == n), None)
+    span = before[-1:] + after
+    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(span)]
+    figures: dict[str, Any] = {
+        "start_to_used_s": round(used["t"] - joined_at, 2) if used else None,
+        "longest_pause_s": round(max(gaps), 2) if gaps else None,
+        "used_from_step": used["step"] if used else None,
+    }
+    admission = next((r["admission"] for r in after if r.get("admission")), None)
+    if admission:
+        figures["admission"] = admission
+    return figures
+
+
+_LOSS_ARMS = ("loss", "restart", "return", "return-restart")
 LINGER_S = 30.0
 """Devices still running this long after the last step are ended (torchrun's exit barrier)."""
 
@@ -214,20 +248,27 @@ def run_arm(
               "--profile-budget-s", str(args.profile_budget_s), *(extra or [])]  # fmt: skip
     if kind == "blocking":
         worker.append("--blocking")
-    if kind in ("loss", "restart"):
+    if kind in _LOSS_ARMS:
         worker += ["--kill", args.kill, "--kill-step", str(args.kill_step)]
-    if kind == "restart":
+    if kind in ("restart", "return-restart"):
         worker.append("--restart")
     topology = load_topology(args.topology)
     n = len(topology.devices)
     killed: dict[str, float] = {}
 
     def control(lab: LabControl) -> None:
-        if kind in ("loss", "restart") and not killed and (work / "in_step").is_file():
+        if kind in _LOSS_ARMS and not killed and (work / "in_step").is_file():
             lab.kill(args.kill)
             killed["at"] = lab.elapsed_s
         # After a recovery torchrun's agents wait 300 s at exit for the lost device's agent.
         rows = _rows(work / "steps.jsonl") if killed else []
+        back = kind.startswith("return") and "joined" not in killed
+        if back and rows and rows[-1]["t"] > killed["at"]:  # the survivors train: it comes back
+            if kind == "return":
+                lab.join(args.kill)  # alone, outside torchrun: admitted at a step boundary
+            else:
+                lab.start(args.kill)  # under torchrun: joins the next rendezvous (a restart)
+            killed["joined"] = lab.elapsed_s
         if rows and rows[-1]["step"] >= steps and lab.elapsed_s - rows[-1]["t"] > LINGER_S:
             for device in topology.devices:
                 if lab.running(device.name):
@@ -253,6 +294,7 @@ def run_arm(
         **step_figures(rows, args.warmup),
     }
     record.update(loss_figures(rows, killed.get("at")))
+    record.update(return_figures(rows, killed.get("joined"), n))
     print(f"[elastic-bench]   {json.dumps(record)}", flush=True)
     return record
 
@@ -296,7 +338,7 @@ def render(result: dict[str, Any]) -> str:
             f"{_fmt(kill, 1)} | {_fmt(redone, 0)} | "
             f"{', '.join(sorted(worlds)) or '-'} | {', '.join(sorted(how)) or '-'} |"
         )
-    return "\n".join(lines + _phase_lines(result)) + "\n"
+    return "\n".join(lines + _phase_lines(result) + _return_lines(result)) + "\n"
 
 
 RECOVERY_PHASES = {
@@ -327,6 +369,48 @@ def _phase_lines(result: dict[str, Any]) -> list[str]:
         "",
         "| arm | " + " | ".join(RECOVERY_PHASES.values()) + " | in all |",
         "|---" * (len(RECOVERY_PHASES) + 2) + "|",
+        *rows,
+    ]
+
+
+ADMISSION_PHASES = {
+    "checkpoint": "checkpoint saved",
+    "waited": "device waited for",
+    "plan": "planned",
+    "load": "checkpoint loaded",
+}
+"""The phases of an admission (``Admission.last``) on the job's rank 0."""
+
+
+def _return_lines(result: dict[str, Any]) -> list[str]:
+    """The returning device per arm (medians over runs): its start to the first step that uses
+    it, the job's longest time between two steps meanwhile, the admission's pause by phase."""
+    rows = []
+    for arm, runs in result["arms"].items():
+        back = [r for r in runs if "start_to_used_s" in r]
+        if not back:
+            continue
+        records = [r["admission"] for r in back if r.get("admission")]
+        used = [r["start_to_used_s"] for r in back]
+        cells = [
+            " / ".join(_fmt(u, 1) for u in used),
+            _fmt(_median(back, "start_to_used_s"), 1),
+            _fmt(max((r["longest_pause_s"] or 0.0) for r in back), 1),
+            *(_fmt(_median(records, phase), 1) for phase in ADMISSION_PHASES),
+            _fmt(_median(records, "seconds"), 1),
+        ]
+        rows.append(f"| {arm} | {' | '.join(cells)} |")
+    if not rows:
+        return []
+    head = ["runs: start -> used s", "median", "longest pause s (max)", *ADMISSION_PHASES.values()]
+    return [
+        "",
+        "The lost device started again to join the running job: seconds from its start to the "
+        "end of the first step that uses it; the job's longest time between two steps from "
+        "then on (any run); the admission's pause on the job's rank 0 by phase (medians):",
+        "",
+        "| arm | " + " | ".join(head) + " | pause in all |",
+        "|---" * (len(head) + 2) + "|",
         *rows,
     ]
 
@@ -415,6 +499,8 @@ def harness_main(argv: list[str]) -> int:
     arms += [f"blocking@{first}"] if "blocking" in kinds else []
     arms += [f"loss@{k}" for k in intervals] if "loss" in kinds else []
     arms += [f"restart@{k}" for k in intervals] if "restart" in kinds else []
+    arms += [f"return@{k}" for k in intervals] if "return" in kinds else []
+    arms += [f"return-restart@{k}" for k in intervals] if "return-restart" in kinds else []
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     result: dict[str, Any] = dict(
         config=config, date=time.strftime("%Y-%m-%d"), commit=_git_commit(),

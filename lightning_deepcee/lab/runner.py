@@ -14,7 +14,9 @@ With ``elastic="MIN:MAX"`` every device runs torchrun's elastic agent (c10d rend
 the first device, the *anchor*), so a device can be killed and started again (trace events or a
 ``control`` callable) the way a site is lost and regained: the survivors restart their workers
 in a smaller world, a returning device joins at the next rendezvous. Losing the anchor ends the
-job (it holds the rendezvous store).
+job (it holds the rendezvous store). A device may also come back by *joining* (a trace's
+``join`` event, :meth:`LabControl.join`): its command alone, outside torchrun, with
+``DEEPCEE_JOIN=1``; the strategy admits it at a step boundary while the others keep running.
 
 Every output line goes to ``<out>/<device>.log`` and to the console as ``[device] line``;
 ``<out>/summary.json`` gets return codes, durations and the trace and device events as applied.
@@ -40,13 +42,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from lightning_deepcee.lab.network import LabNetwork
+from lightning_deepcee.lab.processes import kill_process_tree
 from lightning_deepcee.lab.topology import find_named
 from lightning_deepcee.lab.trace import CpuEvent, DeviceEvent, Trace, TraceEvent
 
 __all__ = [
     "DeviceResult", "DeviceState", "LabControl", "LabResult", "RunConfig", "device_argv",
-    "device_env", "kill_process_tree", "parse_elastic", "run_command", "run_finished",
-    "run_returncode",
+    "device_env", "joining_env", "kill_process_tree", "parse_elastic", "run_command",
+    "run_finished", "run_returncode",
 ]  # fmt: skip
 
 LAUNCHERS = ("torchrun", "env")
@@ -139,7 +142,7 @@ class DeviceResult:
     killed: bool = False
     """The last launch was ended by a kill event (its return code is not a failure)."""
     launches: int = 1
-    """How many times the command was started (1 + the start events applied)."""
+    """How many times the command was started (1 + the start and join events applied)."""
 
 
 @dataclass
@@ -256,6 +259,21 @@ def device_env(
     return env
 
 
+def joining_env(
+    env: dict[str, str], net: LabNetwork, device: str, rank: int, port: int
+) -> dict[str, str]:
+    """The environment of ``device`` (rank ``rank`` of the run, environment ``env``) started to
+    join the running job: a world of one of its own (its store on its own address and ``port``),
+    ``DEEPCEE_JOIN=1``, its lab variables kept."""
+    joining = device_env(
+        env, device=device, region=env.get("DEEPCEE_LAB_REGION", ""), rank=0, world_size=1,
+        master_addr=net.ip(device), master_port=port, interface=net.interface(device),
+        launcher="env", cpu_max=net.cpu_max(device),
+    )  # fmt: skip
+    joining.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    return {**joining, "DEEPCEE_LAB_RANK": str(rank), "DEEPCEE_JOIN": "1"}
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceState:
     """A device's last launch as the supervision sees it (the input of the run's bookkeeping)."""
@@ -286,40 +304,6 @@ def run_returncode(states: Sequence[DeviceState]) -> tuple[int, str | None]:
         if s.returncode != 0:
             return s.returncode or 1, f"{s.name} exited with {s.returncode}"
     return 0, None
-
-
-def kill_process_tree(pid: int) -> list[int]:
-    """SIGKILL ``pid`` and all its descendants, found through ``/proc`` (by pid, never by name).
-
-    torchrun starts each worker in a new session, so the agent's process group is not enough.
-    Every process found is stopped first, so none can fork a child the walk would miss.
-    """
-    found: list[int] = []
-    while new := [p for p in _descendants(pid) if p not in found]:  # a stopped one cannot fork
-        for p in new:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p, signal.SIGSTOP)
-        found += new
-    for p in found:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
-    return found
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path("/proc", entry, "stat").read_text()
-            except OSError:
-                continue  # exited meanwhile
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces or ')'
-            children.setdefault(ppid, []).append(int(entry))
-    tree = [root]
-    for pid in tree:  # the list grows while it is walked: breadth first
-        tree += children.get(pid, [])
-    return tree
 
 
 class _Console:
@@ -436,10 +420,24 @@ class LabControl:
         self._record(device, "start", source, at_s)["launch"] = dev.launches
         self.say(f"t={self.elapsed_s:.1f}s started {device} again (launch {dev.launches})")
 
+    def join(self, device: str, source: str = "control", at_s: float | None = None) -> None:
+        """Start ``device``'s command alone, outside the launcher, to join the running job at a
+        step boundary (``DEEPCEE_JOIN=1``, a world of one: :func:`joining_env`); RuntimeError if
+        it runs. The job's other devices keep their processes (no rendezvous round)."""
+        dev = self._device(device)
+        if dev.running():
+            raise RuntimeError(f"cannot join {device}: it is still running (kill it first)")
+        env = joining_env(dev.env, self.net, dev.name, dev.rank, self.config.master_port)
+        self._launch(dev, list(self.config.command), env)
+        self._record(device, "join", source, at_s)["launch"] = dev.launches
+        self.say(f"t={self.elapsed_s:.1f}s started {device} to join (launch {dev.launches})")
+
     def _device(self, name: str) -> _Device:
         return find_named(self.devices, name, "device")
 
-    def _launch(self, dev: _Device) -> None:
+    def _launch(
+        self, dev: _Device, argv: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> None:
         if dev.log_file is None:
             dev.log_file = open(dev.log_path, "w")  # noqa: SIM115
         else:
@@ -451,7 +449,7 @@ class LabControl:
             )
             dev.log_file.flush()
         cwd = self.config.cwd or os.getcwd()
-        dev.popen = self.net.popen(dev.name, dev.argv, env=dev.env, cwd=cwd)
+        dev.popen = self.net.popen(dev.name, argv or dev.argv, env=env or dev.env, cwd=cwd)
         dev.launches, dev.killed, dev.ended_at = dev.launches + 1, False, None
         assert dev.popen.stdout is not None
         args = (dev.popen.stdout, dev.log_file, dev.name, self._console)
@@ -566,7 +564,9 @@ def _supervise(
             elif event.action == "kill":
                 fleet.kill(event.device, "trace", event.at_s)
             elif fleet.running(event.device):  # a control started it already
-                say(f"t={elapsed:.1f}s trace: start {event.device} skipped, it is running")
+                say(f"t={elapsed:.1f}s trace: {event.action} {event.device} skipped, it runs")
+            elif event.action == "join":
+                fleet.join(event.device, "trace", event.at_s)
             else:
                 fleet.start(event.device, "trace", event.at_s)
         if control is not None:
@@ -585,7 +585,7 @@ def _supervise(
                     f"{dev.name} failed with return code {rc}; stopping the others in "
                     f"{config.fail_grace_s:g} s"
                 )
-        start_pending = any(isinstance(e, DeviceEvent) and e.action == "start" for e in pending)
+        start_pending = any(isinstance(e, DeviceEvent) and e.action != "kill" for e in pending)
         if run_finished([d.state() for d in fleet.devices], start_pending=start_pending):
             return
         if failed_at is not None and now - failed_at > config.fail_grace_s:

@@ -7,6 +7,8 @@ A trace YAML is a list of events (or a mapping with an ``events`` list)::
     - {at_s: 60, device: edge0, action: kill}               # SIGKILL every process of edge0
     - {at_s: 90, link: [cloud, edge], bandwidth_mbit: 100}
     - {at_s: 120, device: edge0, action: start}             # run edge0's command again
+    - {at_s: 200, device: edge1, action: kill}
+    - {at_s: 240, device: edge1, action: join}              # edge1 joins the running job
     - {at_s: 150, device: edge1, cpu: 0.05}                 # edge1's CPU quota, as in topology
 
 ``at_s`` counts from the moment the command starts on every device. Latency, loss and jitter are
@@ -46,8 +48,10 @@ __all__ = [
     "load_trace",
 ]
 
-DEVICE_ACTIONS = ("kill", "start")
-"""``kill``: SIGKILL every process of the device; ``start``: run its command again."""
+DEVICE_ACTIONS = ("kill", "start", "join")
+"""``kill``: SIGKILL every process of the device; ``start``: run its command again (under the
+launcher: an elastic run restarts at its next rendezvous); ``join``: run its command alone to
+join the running job at a step boundary (``DEEPCEE_JOIN=1``, the others keep running)."""
 _DEVICE_KEYS = frozenset({"device", "action"})
 _LINK_KEYS = frozenset({"link", "bandwidth_mbit"})
 
@@ -69,10 +73,12 @@ class TraceEvent:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceEvent:
-    """At ``at_s`` seconds, kill ``device`` (every process, SIGKILL) or start its command again.
+    """At ``at_s`` seconds, kill ``device`` (every process, SIGKILL), start its command again,
+    or start it to join the running job.
 
     A kill is what losing a site looks like to the others (no goodbye, sockets reset); a start
-    is the site coming back, which in an elastic run joins the job at its next rendezvous.
+    is the site coming back, which in an elastic run joins the job at its next rendezvous; a
+    join brings it back at a step boundary of the job as it runs.
     """
 
     at_s: float
@@ -106,7 +112,7 @@ class Trace:
     events: tuple[TraceEvent, ...] = ()
     """Bandwidth changes."""
     device_events: tuple[DeviceEvent, ...] = ()
-    """Kills and starts (kept apart so that ``events`` keeps meaning bandwidth changes)."""
+    """Kills, starts and joins (kept apart so that ``events`` keeps meaning bandwidth changes)."""
     cpu_events: tuple[CpuEvent, ...] = ()
     """CPU quota changes."""
 
@@ -118,8 +124,8 @@ class Trace:
 
     def validate(self, topology: Topology) -> None:
         """Raise ValueError naming the event whose link or device is not in ``topology``, or
-        whose action cannot happen then (a kill of a device already killed, a start of one
-        still running: every device runs from t=0), or a CPU change that would give the devices
+        whose action cannot happen then (a kill of a device already killed, a start or join of
+        one still running: every device runs from t=0), or a CPU change that would give the devices
         more than the machine (their ``cpu`` sums above 1)."""
         for i, link_event in enumerate(self.events):
             topology.resolve_link(link_event.link, where=f"trace[{i}].link")
@@ -238,7 +244,7 @@ def _any_event(entry: Any, where: str) -> TraceEvent | DeviceEvent | CpuEvent:
     if keys & _LINK_KEYS:
         raise ValueError(
             f"{where}: an event has either link and bandwidth_mbit (a bandwidth change) or device "
-            f"and action (kill/start), not both; got keys {', '.join(map(str, entry))}"
+            f"and action (kill/start/join), not both; got keys {', '.join(map(str, entry))}"
         )
     event = load_structured(DeviceEventEntry, entry, key=where, unknown_key_hint=latency_key_hint)
     _check_at(event.at_s, where)

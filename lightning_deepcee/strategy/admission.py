@@ -28,6 +28,7 @@ the others are, without running a validation again.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import shutil
 import time
@@ -61,6 +62,7 @@ from lightning_deepcee.strategy.recovery import (
     plan_on_profile,
 )
 from lightning_deepcee.strategy.reporting import print_everywhere
+from lightning_deepcee.strategy.setup_profile import device_cache_dir
 
 __all__ = ["JOIN_WAIT_S", "Admission", "AdmissionHost", "end_of_last_step"]
 
@@ -262,12 +264,19 @@ class Admission:
         """Every member of the group just formed: its devices and profile (rank 0's), the
         plan, the layout, the checkpoint."""
         set_default_timeout(timedelta(seconds=host.recovery.timeout_s))  # formed: run as before
+        assert host.plan is not None
+        # Rank 0's: the members, their profile, and what the plan search reads (every rank must
+        # search alike; a joined device's own set-up knew neither the job's batch nor its cache).
         shared: list[Any] = [hosts, self._profile_of(hosts) if rank == 0 else None]
+        shared += [device_cache_dir(host.profile_settings.device_cache)]
+        shared += [host.plan.global_batch_size]
         dist.broadcast_object_list(shared, src=0)
-        hosts, profile = shared
+        hosts, profile, device_cache, global_batch_size = shared
         joined = len(hosts) > host.world_size  # else the device did not come
         adopt_group(host, rank, hosts, profile)
-        plan = plan_on_profile(host)
+        settings = dataclasses.replace(host.profile_settings, device_cache=device_cache)
+        host.profile_settings = settings
+        plan = plan_on_profile(host, global_batch_size)
         clock.lap("plan")
         host.stage_part.restore_blocks()
         build_layout(host, plan, trainer)

@@ -258,8 +258,7 @@ class DeepCEEStrategy(DDPStrategy):
 
     @property
     def where(self) -> Placement:
-        """Where this rank sits in the running plan (before set-up makes one: in the manual
-        layout's arguments)."""
+        """Where this rank sits in the running plan (before set-up: in the manual layout's)."""
         return Placement.of_running(self.plan, self._manual, self.world_size, self.global_rank)
 
     @property
@@ -351,7 +350,8 @@ class DeepCEEStrategy(DDPStrategy):
         assert spec is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
         timer = SetupTimer()
-        if self.profile and fitting:
+        joining = self.admission.joining and self.plan_arg == "auto"  # it takes the job's plan
+        if self.profile and fitting and not joining:
             with timer("profile"):
                 found = profile_strategy(self, trainer, spec)
                 self.cluster_profile, self.device_groups = found.profile, found.groups
@@ -359,7 +359,7 @@ class DeepCEEStrategy(DDPStrategy):
                 timer.detail["profile"] = found.parts
         with timer("plan"):
             choice = initial_plan(
-                self.plan_arg,
+                None if joining else self.plan_arg,  # a joining device: one stage until it joins
                 manual=self._manual,
                 blocks=spec.blocks,
                 world_size=self.world_size,
@@ -372,7 +372,7 @@ class DeepCEEStrategy(DDPStrategy):
             )
         with timer("build"):
             build_layout(self, choice.plan, trainer)
-        if fitting and self.plan_arg == "auto" and not choice.kept:
+        if fitting and self.plan_arg == "auto" and not (choice.kept or joining):
             with timer("trial"):  # rivals chosen here; they train in the first steps
                 keep = functools.partial(keep_plan, choice, writer=self.is_global_zero)
                 self.trial.prepare(self, choice.alternatives or [], keep)

@@ -381,9 +381,10 @@ def adopt_group(
     host.failures.regrouped(hosts, rank)
 
 
-def plan_on_profile(host: RecoveryHost) -> Plan:
+def plan_on_profile(host: RecoveryHost, global_batch_size: int | None = None) -> Plan:
     """The plan for the group's devices, searched on the profile the run has (no measurement,
-    no trial). Collective (the search is spread over the ranks)."""
+    no trial) for ``global_batch_size`` samples a step (default: the running plan's).
+    Collective (the search is spread over the ranks: they must agree on the arguments)."""
     assert host.spec is not None and host.plan is not None
     return initial_plan(
         "auto",
@@ -391,7 +392,7 @@ def plan_on_profile(host: RecoveryHost) -> Plan:
         blocks=host.spec.blocks,
         world_size=host.world_size,
         cluster_profile=host.cluster_profile,
-        global_batch_size=host.plan.global_batch_size,
+        global_batch_size=global_batch_size or host.plan.global_batch_size,
         device_gain=host.device_gain,
         compression=host.compression,
         device_cache=host.profile_settings.device_cache,

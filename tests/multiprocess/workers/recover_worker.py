@@ -15,7 +15,9 @@ With ``join`` the killed device comes back: the test starts this script again, a
 ``DEEPCEE_JOIN=1`` and the killed rank's device name (each rank's ``DEEPCEE_DEVICE`` is
 ``dev<RANK>``); until it has joined, the survivors take a second per step. On the four devices
 after the join the layout is [0, 1) | [1, 3) | [3, 4) | [4, 6) on ranks 0 | 3 (the returning
-device) | 1 | 2.
+device) | 1 | 2. The job's ranks keep their block timings and plans in a device cache, the
+returning device has none of its own (as ``device_cache="auto"`` outside torchrun): the plan
+search after the join must follow the job's.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import lightning_deepcee.runtime.spread_search as spread_search
 from lightning_deepcee import DeepCEEStrategy, ElasticCheckpoint
 from lightning_deepcee.planner import make_plan
 from lightning_deepcee.planner.subsets import lift, restrict
+from lightning_deepcee.runtime.admission import wants_to_join
 from tests.helpers.models import TinyNet, make_loader
 from tests.helpers.workers import QUIET, run_configs, save_params
 
@@ -91,7 +94,12 @@ def run(cfg: dict[str, Any], out: Path) -> None:
         accelerator="cpu",
         devices=1,
         num_nodes=int(os.environ.get("WORLD_SIZE", 1)),
-        strategy=DeepCEEStrategy(plan_trial=1, verbose=False, timeout_s=20),
+        strategy=DeepCEEStrategy(
+            plan_trial=1,
+            verbose=False,
+            timeout_s=20,
+            device_cache=None if wants_to_join() else str(target / "devices"),
+        ),
         max_steps=cfg["steps"],
         **{**QUIET, "enable_checkpointing": True},
         gradient_clip_val=cfg.get("clip"),

@@ -112,3 +112,42 @@ def test_render_names_the_shared_plan() -> None:
     sentence = _bench()._plan_sentence({"plan": plan})
     assert "2 stages, ranks 0,1 | 2; zb, 6 micro-batches" in sentence
     assert "differ only by checkpoints" in sentence
+
+
+def test_return_figures_time_the_device_back_and_the_job_s_longest_pause() -> None:
+    """Five devices after the loss; the device starts again at t=20.5 and is used from step 14
+    on (the admission paused the job between steps 13 and 14)."""
+    admitted = {"device": "edge0", "world": 6, "seconds": 3.0, "checkpoint": 0.5, "waited": 1.0}
+    rows = [_row(s, float(s) + 10.0, world=5) for s in range(10, 14)] + [
+        {**_row(14, 27.5), "admission": admitted},
+        _row(15, 28.5),
+    ]
+    figures = _bench().return_figures(rows, joined_at=20.5, n=6)
+    assert figures == {
+        "start_to_used_s": 7.0,  # the end of step 14, the first on six devices
+        "longest_pause_s": 4.5,  # step 13 at t=23 -> step 14 at t=27.5
+        "used_from_step": 14,
+        "admission": admitted,
+    }
+    assert _bench().return_figures(rows, joined_at=None, n=6) == {}
+    never = _bench().return_figures(rows[:4], joined_at=20.5, n=6)  # no step used it
+    assert never["start_to_used_s"] is None and never["longest_pause_s"] == 1.0
+
+
+def test_render_lists_each_run_of_a_return() -> None:
+    admitted = {"seconds": 3.0, "checkpoint": 0.5, "waited": 1.0, "plan": 1.4, "load": 0.1}
+    runs = [
+        {"step_s": 1.0, "step_mean_s": 1.0, "start_to_used_s": used, "longest_pause_s": pause,
+         "admission": admitted}
+        for used, pause in ((27.5, 4.3), (25.0, 9.0), (30.0, 4.0))
+    ]  # fmt: skip
+    result = {
+        "config": {"topology": "t.yaml", "size": "gpt5m", "global_batch": 48, "runs": 3,
+                   "kill": "edge0", "kill_step": 17},
+        "date": "2026-12-07",
+        "commit": "abc1234",
+        "arms": {"return@5": runs, "restart@5": [{"step_s": 1.0, "step_mean_s": 1.0}]},
+    }  # fmt: skip
+    table = _bench().render(result)
+    assert "| return@5 | 27.5 / 25.0 / 30.0 | 27.5 | 9.0 | 0.5 | 1.0 | 1.4 | 0.1 | 3.0 |" in table
+    assert "| restart@5 | 27" not in table  # no return in that arm

@@ -193,6 +193,9 @@ def test_trace_device_events_validate_against_the_topology() -> None:
         check((5, "edge0", "kill"), (7, "edge0", "kill"))
     with pytest.raises(ValueError, match=r"at_s: 4, device: cloud0, action: start"):
         check((5, "cloud0", "kill"), (4, "cloud0", "start"))  # sorted: the start comes first
+    check((5, "edge0", "kill"), (9, "edge0", "join"), (12, "edge0", "kill"), (14, "edge0", "start"))
+    with pytest.raises(ValueError, match=r"action: join\}: edge0 is still running then"):
+        check((5, "edge0", "join"))
 
 
 def _s(name: str, rc: int | None, killed: bool = False) -> DeviceState:
@@ -292,7 +295,8 @@ import os, subprocess, sys, time
 name, work = os.environ["DEEPCEE_DEVICE"], sys.argv[1]
 again = os.path.exists(os.path.join(work, name + ".up"))
 open(os.path.join(work, name + ".up"), "a").close()
-print(f"up {name} rank={os.environ['DEEPCEE_LAB_RANK']} again={again}", flush=True)
+print(f"up {name} rank={os.environ['DEEPCEE_LAB_RANK']} again={again} "
+      f"join={os.environ.get('DEEPCEE_JOIN')} world={os.environ['WORLD_SIZE']}", flush=True)
 if name == "edge0" and not again:
     c = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                          start_new_session=True)
@@ -350,6 +354,29 @@ def test_trace_kills_a_device_and_starts_it_again(tmp_path: Path) -> None:
     assert summary["device_events"] == result.device_events and summary["elastic"] is None
     assert summary["devices"][2]["launches"] == 2
     assert [e["link"] for e in summary["trace_applied"]] == [["cloud", "edge"]]
+
+
+def test_trace_join_starts_the_device_alone_to_join_the_running_job(tmp_path: Path) -> None:
+    trace = Trace.from_data(
+        [
+            {"at_s": 1.0, "device": "edge0", "action": "kill"},
+            {"at_s": 2.0, "device": "edge0", "action": "join"},
+        ]
+    )
+    result, summary = _run(tmp_path, trace, SLEEP_cloud0="3", SLEEP_cloud1="3", SLEEP_edge0="30")
+    assert result.returncode == 0, result
+    edge = {d.name: d for d in result.devices}["edge0"]
+    assert (edge.launches, edge.killed, edge.returncode) == (2, False, 0)
+    kill, join = summary["device_events"]
+    assert kill["action"] == "kill" and join["applied_at_s"] >= 2.0
+    assert (join["action"], join["source"], join["launch"]) == ("join", "trace", 2)
+    log = Path(edge.log_path).read_text()
+    # Its first launch: rank 2 of the run's 3; the second: a world of its own, DEEPCEE_JOIN=1,
+    # its lab rank kept (the strategy's admission gives it its rank in the job).
+    assert "up edge0 rank=2 again=False join=None world=3" in log
+    assert "up edge0 rank=2 again=True join=1 world=1" in log
+    cloud = Path({d.name: d for d in result.devices}["cloud0"].log_path).read_text()
+    assert "join=None world=3" in cloud
 
 
 def test_control_kill_is_not_a_failure_and_not_waited_for(tmp_path: Path) -> None:
