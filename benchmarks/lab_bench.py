@@ -486,12 +486,14 @@ def system_batch(system: str, num_devices: int, global_batch: int) -> int:
 
 
 def _git_commit() -> str:
-    """HEAD's short hash, with ``+dirty`` when the tree has uncommitted changes."""
+    """HEAD's short hash, with ``+dirty`` when the tree has uncommitted changes (results that
+    benchmarks wrote under ``benchmarks/results`` do not count: the code is HEAD's)."""
+    status = ["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+              ":(exclude)benchmarks/results"]  # fmt: skip
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
                               capture_output=True, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               text=True, capture_output=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(status, cwd=REPO, text=True, capture_output=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")

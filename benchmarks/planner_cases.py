@@ -18,7 +18,6 @@ import argparse
 import datetime
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -94,9 +93,9 @@ def main() -> None:
     default = ROOT / "benchmarks" / "results" / "planner_cases.json"
     parser.add_argument("--out", default=str(default), help="results JSON (default: %(default)s)")
     args = parser.parse_args()
-    commit = subprocess.run(
-        ["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
+    from lab_bench import _git_commit
+
+    commit = _git_commit()
     data = {
         "command": "python benchmarks/planner_cases.py",
         "date": datetime.date.today().isoformat(),
