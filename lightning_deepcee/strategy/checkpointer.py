@@ -293,9 +293,10 @@ def layout_record(part: PipelineStagePart, hosts: list[str]) -> dict[str, Any]:
 
 
 def check_same_checkpoint(trainer: pl.Trainer | None, world_size: int) -> None:
-    """Every rank must resume from the same checkpoint (each resolves ``ckpt_path`` alone,
-    before there is a process group): a directory that is not shared by every device gives
-    each its own "last" checkpoint, or none. Collective when ``world_size > 1``."""
+    """Every rank must have resumed from the same checkpoint (each resolves ``ckpt_path``
+    alone): a directory that is not shared by every device gives each its own "last"
+    checkpoint, or none. Called when training starts, after Lightning's restore (which sets
+    ``trainer.ckpt_path``), before the first step. Collective when ``world_size > 1``."""
     if trainer is None or world_size < 2:
         return
     path = trainer.ckpt_path

@@ -334,8 +334,6 @@ class DeepCEEStrategy(DDPStrategy):
         super().setup_environment()
         if self.world_size > 1:
             agree_group_token()  # before any heartbeat: the keys of this start of the job
-        module = self.lightning_module
-        check_same_checkpoint(module._trainer if module is not None else None, self.world_size)
         self.failures.start(self.global_rank, self.world_size, check_versions(self.world_size))
 
     @override
@@ -535,6 +533,7 @@ class DeepCEEStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         if (trainer := self._trainer()) is not None:
+            check_same_checkpoint(trainer, self.world_size)  # each rank has restored (or not)
             self.recovery.start(self, trainer, self.world_size)
         if self.freeze_gc:
             self._gc.freeze(self.verbose)

@@ -73,3 +73,13 @@ def test_resume_mid_epoch_equals_uninterrupted(resumed: tuple[Path, str], name: 
     assert not [p for p in ckpt.iterdir() if p.name.endswith(".partial")]
     history = [p.name for p in ckpt.glob("deepcee_failure.*.json")]
     assert len(history) == 1 and not (ckpt / "deepcee_failure.json").exists(), history
+
+
+def test_ranks_given_different_checkpoints_refuse_to_train(resumed: tuple[Path, str]) -> None:
+    """Rank 2 resumes from a checkpoint, ranks 0 and 1 start afresh: every rank stops before
+    the first step and names what each rank loaded."""
+    out, _ = resumed
+    for rank in range(3):
+        error = (out / "mismatch" / f"rank{rank}.txt").read_text()
+        assert "would resume from different checkpoints" in error, error
+        assert "rank 0 (" in error and "): None" in error and "step=9.ckpt" in error, error

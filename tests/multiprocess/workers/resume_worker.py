@@ -8,6 +8,10 @@ step 11 (two steps after the step-9 checkpoint, which is one batch into epoch 2)
 Trainer resumes with ``ckpt_path="last"`` on partition [1, 3, 1] and trains to the end of
 epoch 3. Writes each
 rank's parameters to ``OUT_DIR/<name>/rank<r>.pt``.
+
+Then ``mismatch``: rank 2 resumes from ``blocking``'s step-9 checkpoint while the others start
+afresh; every rank must refuse to train (``check_same_checkpoint``) and writes the error to
+``OUT_DIR/mismatch/rank<r>.txt``.
 """
 
 from __future__ import annotations
@@ -80,6 +84,14 @@ def main() -> None:
         if rank == 0:
             (root / "resumed_from.txt").write_text(str(trainer.ckpt_path))
             print(f"=== end of {name}", flush=True)
+    root = out / "mismatch"
+    path = str(out / "blocking" / "ckpt" / "step=9.ckpt") if rank == 2 else None
+    try:
+        _trainer(root, [2, 2, 1], False, fail=False).fit(
+            TiedLM(), make_shuffled_lm_loader(6), ckpt_path=path
+        )
+    except RuntimeError as err:
+        (root / f"rank{rank}.txt").write_text(str(err))
 
 
 if __name__ == "__main__":
