@@ -8,25 +8,31 @@ what another tenant taking part of the device looks like. The per-step exchange 
 rank's figure, so every rank's :class:`ComputeMonitor` sees the same stream and all of them
 decide alike.
 
-A rank's expectation is calibrated on its own configuration (the plan and split running, whose
-stage and micro-batches set the work): the ``1 - calibration_quantile`` quantile of the
-``calibration_steps`` samples after ``warmup_steps`` (below the median, as the link monitor's
-is above it: a minority of stalled steps does not raise it). The window and thresholds are the
-link monitor's (:class:`~lightning_deepcee.adapter.MonitorConfig`), read as slowdowns instead of
-bandwidths:
+A rank's figures are calibrated on its own configuration (the plan and split running, whose
+stage and micro-batches set the work) from the ``calibration_steps`` samples after
+``warmup_steps``: a band from the ``1 - compute_band_quantile`` quantile (``low``) to the
+``compute_band_quantile`` quantile (``high``), and the median (``expected``), from which a
+change's ratio is measured. Each direction is judged against the end of the band nearest to it,
+as the link monitor judges a drop by the optimistic figure and a rise by the pessimistic one, so
+the spread the device showed while nothing changed never reads as a change. On a device under a
+CPU quota that spread is wide: an action that starts with its period's budget whole runs at full
+speed, one that starts after it is spent waits for the next period, so a device that mostly
+waits for its neighbours reads up to twice its usual compute with nothing changed. The window
+and thresholds are the link monitor's (:class:`~lightning_deepcee.adapter.MonitorConfig`), read
+as slowdowns instead of bandwidths:
 
-- ``normal -> slowed``: every sample of the window above ``expected * slow_threshold``,
+- ``normal -> slowed``: every sample of the window above ``high * slow_threshold``,
   ``react_after`` steps in a row; the ``replan`` proposal comes with the change (a split cannot
   help a slow device);
-- ``slowed -> normal``: the window median back under ``expected * fast_threshold``,
-  ``react_after`` steps in a row (no proposal: the clock and the plan searched for the slow
-  device decide what to keep);
-- ``normal -> faster`` and back, the same way upwards (a device that got its CPU back while it
-  trains), proposing a ``replan`` with the change; but not while the step is slower than its
-  own calibrated figure (the slowest rank's step, calibrated like the compute): a device reads
-  faster when it waits for another one (under a CPU quota a waiting device starts each burst
-  with its period's budget whole, so its actions stall less), and the plan's devices do not get
-  faster together with a slower step.
+- ``slowed -> normal``: the window median back under ``high * fast_threshold``, ``react_after``
+  steps in a row (no proposal: the clock and the plan searched for the slow device decide what
+  to keep);
+- ``normal -> faster`` and back, the same way upwards against ``low`` (a device that got its CPU
+  back while it trains), proposing a ``replan`` with the change; but not while the step is
+  slower than its own calibrated figure (the slowest rank's step, calibrated like the compute):
+  a device reads faster when it waits for another one (under a CPU quota a waiting device
+  starts each burst with its period's budget whole, so its actions stall less), and the plan's
+  devices do not get faster together with a slower step.
 
 :func:`observed_compute` scales a slowed device's block times in the profile by its measured
 ratio, as :func:`~lightning_deepcee.adapter.observed_profile` scales a link's bandwidth, so the
@@ -56,9 +62,20 @@ ComputeState = Literal["normal", "slowed", "faster"]
 class _Device:
     calibration: list[float] = field(default_factory=list)
     expected: float | None = None
+    """The calibration's median: a change's ratio is measured from it."""
+    low: float = 0.0
+    """The calibration's ``1 - compute_band_quantile`` quantile: a speed-up is judged by it."""
+    high: float = 0.0
+    """The calibration's ``compute_band_quantile`` quantile: a slowdown is judged by it."""
     window: deque[float] = field(default_factory=deque)
     state: ComputeState = "normal"
     streak: int = 0
+
+    def calibrate(self, quantile_above: float) -> None:
+        """Set the figures from the calibration samples."""
+        self.expected = statistics.median(self.calibration)
+        self.low = quantile(self.calibration, 1 - quantile_above)
+        self.high = quantile(self.calibration, quantile_above)
 
 
 class ComputeMonitor:
@@ -105,18 +122,16 @@ class ComputeMonitor:
             return False
         device.calibration.append(seconds)
         if len(device.calibration) >= max(1, self.config.calibration_steps):
-            # Seconds, not a bandwidth: the quantile below the median keeps a minority of
-            # stalled steps from raising the figure.
-            device.expected = quantile(device.calibration, 1 - self.config.calibration_quantile)
+            device.calibrate(self.config.compute_band_quantile)
         return True
 
     def step_slower(self) -> bool:
         """The window's median step is above its calibrated figure by the hysteresis band
         (``fast_threshold``): a device reading faster meanwhile waits for another."""
-        expected, window = self._step.expected, self._step.window
-        if expected is None or not window:
+        if self._step.expected is None or not self._step.window:
             return False
-        return statistics.median(window) > expected * self.config.fast_threshold
+        # The band's low end: a step barely slower than usual already holds a speed-up back.
+        return statistics.median(self._step.window) > self._step.low * self.config.fast_threshold
 
     def _advance(self, step: int, rank: int, device: _Device) -> dict[str, Any] | None:
         cfg, expected = self.config, device.expected
@@ -125,16 +140,21 @@ class ComputeMonitor:
             return None
         median = statistics.median(device.window)
         if device.state == "normal":
-            slow = min(device.window) > expected * cfg.slow_threshold
-            fast = max(device.window) < expected / cfg.slow_threshold and not self.step_slower()
+            slow = min(device.window) > device.high * cfg.slow_threshold
+            fast = max(device.window) < device.low / cfg.slow_threshold and not self.step_slower()
             device.streak = device.streak + 1 if slow or fast else 0
             if device.streak < cfg.react_after:
                 return None
             device.state, device.streak = ("slowed" if slow else "faster"), 0
             word = "slower" if slow else "faster"
-            bound = f"> expected*{cfg.slow_threshold:g}" if slow else (
-                f"< expected/{cfg.slow_threshold:g}"
-            )  # fmt: skip
+            q = cfg.compute_band_quantile
+            bound = (
+                f"> its calibrated {q:g} quantile ({device.high * 1e3:.0f} ms)"
+                f"*{cfg.slow_threshold:g}"
+                if slow
+                else f"< its calibrated {1 - q:g} quantile ({device.low * 1e3:.0f} ms)"
+                f"/{cfg.slow_threshold:g}"
+            )
             return {
                 "step": step, "kind": "replan", "device": rank, "name": f"device {rank}",
                 "old_s": expected, "new_s": median, "ratio": median / expected,
@@ -143,9 +163,9 @@ class ComputeMonitor:
                 "with its measured speed",
             }  # fmt: skip
         back = (
-            median < expected * cfg.fast_threshold
+            median < device.high * cfg.fast_threshold
             if device.state == "slowed"
-            else median > expected / cfg.fast_threshold
+            else median > device.low / cfg.fast_threshold
         )
         device.streak = device.streak + 1 if back else 0
         if device.streak >= cfg.react_after:
@@ -173,11 +193,11 @@ class ComputeMonitor:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._start = state["start"]
-        window = self.config.window
-        self._devices = {int(r): _load_device(d, window) for r, d in state["devices"].items()}
+        window, q = self.config.window, self.config.compute_band_quantile
+        self._devices = {int(r): _load_device(d, window, q) for r, d in state["devices"].items()}
         step = state.get("step")  # absent in a state saved before the step was watched
         self._step = _Device(window=deque(maxlen=window)) if step is None else (
-            _load_device(step, window)
+            _load_device(step, window, q)
         )  # fmt: skip
 
 
@@ -186,14 +206,16 @@ def _device_state(d: _Device) -> dict[str, Any]:
             "state": d.state, "streak": d.streak}  # fmt: skip
 
 
-def _load_device(d: Mapping[str, Any], window: int) -> _Device:
-    return _Device(
+def _load_device(d: Mapping[str, Any], window: int, quantile_above: float) -> _Device:
+    device = _Device(
         calibration=[float(v) for v in d["calibration"]],
-        expected=None if d["expected"] is None else float(d["expected"]),
         window=deque((float(v) for v in d["window"]), maxlen=window),
         state=d["state"],
         streak=int(d["streak"]),
     )
+    if d["expected"] is not None:  # calibrated: the figures follow from the samples
+        device.calibrate(quantile_above)
+    return device
 
 
 def compute_ratios(decisions: Iterable[Mapping[str, Any]]) -> dict[int, float]:

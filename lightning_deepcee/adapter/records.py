@@ -93,6 +93,12 @@ class MonitorConfig:
     """Which quantile of the calibration samples is the calibrated figure: above the median,
     so that a minority of stalled samples (a CPU quota that stalls the receiver while it stamps
     an arrival) does not lower it."""
+    compute_band_quantile: float = 0.9
+    """A device's compute is judged against a band of its calibration samples: a slowdown
+    against this quantile of them, a speed-up against ``1 - compute_band_quantile``. Under a
+    CPU quota a device that mostly waits reads up to twice its usual compute with nothing
+    changed (an action that starts after its period's budget is spent waits for the next
+    period); the band keeps that spread from reading as a change. In ``[0.5, 1]``."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -100,6 +106,7 @@ class MonitorConfig:
             "fast_threshold",
             "severe_threshold",
             "calibration_quantile",
+            "compute_band_quantile",
             "stamp_error_s",
         ):
             value = getattr(self, name)
@@ -129,6 +136,11 @@ class MonitorConfig:
             raise ValueError(
                 "MonitorConfig.calibration_quantile: expected a number in [0, 1], got "
                 f"{self.calibration_quantile}; set calibration_quantile=0.75 (the default)"
+            )
+        if not 0.5 <= self.compute_band_quantile <= 1.0:
+            raise ValueError(
+                "MonitorConfig.compute_band_quantile: expected a number in [0.5, 1], got "
+                f"{self.compute_band_quantile}; set compute_band_quantile=0.9 (the default)"
             )
         defaults = {f.name: f.default for f in fields(MonitorConfig)}
         for name, minimum in (

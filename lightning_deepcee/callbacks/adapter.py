@@ -101,6 +101,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         warmup_steps: int = 5,
         calibration_steps: int = 10,
         calibration_quantile: float = 0.75,
+        compute_band_quantile: float = 0.9,
         split_gain: float = 0.1,
         replan_gain: float = 0.1,
         confirm_window: int = 6,
@@ -114,6 +115,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
             severe_threshold=severe_threshold, severe_window=severe_window, min_bytes=min_bytes,
             stamp_error_s=stamp_error_s, max_split=max_split, warmup_steps=warmup_steps,
             calibration_steps=calibration_steps, calibration_quantile=calibration_quantile,
+            compute_band_quantile=compute_band_quantile,
         )  # fmt: skip
         for name, value in (("split_gain", split_gain), ("replan_gain", replan_gain)):
             if isinstance(value, bool) or not 0 <= value < 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -330,3 +331,43 @@ def test_a_device_that_stays_slow_is_not_returned_to(monkeypatch: pytest.MonkeyP
     run = run_adapter(monkeypatch, 260, world=_slowed_world, compute=slowed, probe=slowed)
     assert len(run.kinds("replan-applied")) == 1 and run.kinds("return-applied") == []
     assert run.adapter.comeback.devices is not None  # still watched
+
+
+def _recorded() -> dict[str, Any]:
+    """Compute seconds recorded on the lab under link jitter, no device changed (see "about")."""
+    return json.loads((Path(__file__).parent / "data" / "compute_cee7_jitter.json").read_text())
+
+
+def _proposals_from(record: dict[str, Any], start: int, config: MonitorConfig) -> list[dict]:
+    """Run a fresh monitor of the recorded ranks from step index ``start`` on."""
+    monitor = ComputeMonitor([0, 1, 2, 3], config)
+    out = []
+    for i in range(start, len(record["steps"])):
+        out += monitor.observe(i, record["compute_s"][i], record["step_s"][i])
+    return out
+
+
+def test_no_proposal_on_compute_recorded_under_link_jitter() -> None:
+    """A device under a CPU quota that mostly waits reads anywhere from its CPU time to twice
+    that with nothing changed; judged against the band of its calibration, no starting point of
+    the recorded run proposes anything. Judged against a single figure (a band of width zero,
+    the median) the same stream proposes slowdowns from several starting points."""
+    record = _recorded()
+    starts = range(0, len(record["steps"]) - 40, 2)
+    assert all(_proposals_from(record, s, CONFIG) == [] for s in starts)
+    narrow = dataclasses.replace(CONFIG, compute_band_quantile=0.5)
+    assert sum(bool(_proposals_from(record, s, narrow)) for s in starts) >= 5
+
+
+def test_a_device_slowed_to_a_third_in_the_recorded_stream_is_proposed_on() -> None:
+    """Every figure of rank 2 (22% of a core) three times longer from step 120 on: a lower
+    bound of what losing two thirds of the quota does (it also takes the short bursts' head
+    start away). The band still sees it within 25 steps, and only there."""
+    record = _recorded()
+    at = 120
+    for row in record["compute_s"][at:]:
+        row[2] *= 3
+    proposals = _proposals_from(record, 0, CONFIG)
+    assert proposals and {(d["device"], d["kind"]) for d in proposals} == {(2, "replan")}
+    assert at + CONFIG.window - 1 <= proposals[0]["step"] <= at + 25
+    assert 2.0 < proposals[0]["ratio"] < 4.5
