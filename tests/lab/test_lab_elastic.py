@@ -14,7 +14,6 @@ python -m pytest tests/lab/test_lab_elastic.py -m lab -q
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from lightning_deepcee.lab.network import LabNetwork
 from lightning_deepcee.lab.runner import RunConfig, run_command
 from lightning_deepcee.lab.state import StateStore
 from lightning_deepcee.lab.topology import load_topology
+from tests.helpers.lab import read_rows
 
 pytestmark = pytest.mark.lab
 
@@ -39,8 +39,7 @@ SLACK_S = 10.0  # process exit, Lightning teardown, torchrun agent shutdown
 
 
 def _losses(path: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {row["step"]: row["loss"] for row in rows}
+    return {row["step"]: row["loss"] for row in read_rows(path)}
 
 
 def _lab(topology_path: Path, store: StateStore, command: list[str], out: Path):  # type: ignore[no-untyped-def]

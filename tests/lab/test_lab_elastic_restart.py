@@ -17,7 +17,6 @@ python -m pytest tests/lab/test_lab_elastic_restart.py -m lab -q
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from lightning_deepcee.lab.network import LabNetwork
 from lightning_deepcee.lab.runner import LabControl, LabResult, RunConfig, run_command
 from lightning_deepcee.lab.state import StateStore
 from lightning_deepcee.lab.topology import load_topology
-from tests.helpers.lab import require_lab
+from tests.helpers.lab import device_logs, read_rows, require_lab
 
 pytestmark = pytest.mark.lab
 
@@ -40,12 +39,6 @@ WORKER = ROOT / "tests" / "lab" / "_elastic_restart_worker.py"
 TOPOLOGY = ROOT / "configs" / "lab" / "cee4_elastic.yaml"
 SLOW_STEP = 7  # edge1 is killed inside the step after step 7; checkpoints every 3 steps
 STEPS = 30  # _elastic_restart_worker.STEPS
-
-
-def _rows(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class _Script:
@@ -63,7 +56,7 @@ class _Script:
                 ctl.kill("edge1")
                 self.killed_at = ctl.elapsed_s
         elif self.started_at is None:
-            rows = _rows(self.work / "losses.jsonl")
+            rows = read_rows(self.work / "losses.jsonl")
             if not any(r["start"] == 1 for r in rows):
                 return
             # The survivors train again. Bring edge1 back once they have committed a checkpoint
@@ -103,16 +96,12 @@ def elastic_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, L
     return reference, work, result, script
 
 
-def _dump(result: LabResult) -> str:
-    return "\n".join(f"== {d.name}\n{Path(d.log_path).read_text()[-3000:]}" for d in result.devices)
-
-
 def test_lost_device_training_goes_on_without_a_person(elastic_run: Any) -> None:
     reference, work, result, script = elastic_run
     logs = {d.name: Path(d.log_path).read_text() for d in result.devices}
-    assert script.killed_at is not None, _dump(result)
-    assert result.returncode == 0, _dump(result)
-    rows = _rows(work / "losses.jsonl")
+    assert script.killed_at is not None, device_logs(result)
+    assert result.returncode == 0, device_logs(result)
+    rows = read_rows(work / "losses.jsonl")
     first = [r for r in rows if r["start"] == 0]
     assert [r["step"] for r in first] == list(range(1, SLOW_STEP + 1)), rows
     assert {r["world"] for r in first} == {4}
@@ -125,17 +114,17 @@ def test_lost_device_training_goes_on_without_a_person(elastic_run: Any) -> None
         r"edge1; (\d+) to redo",
         report,
     )
-    assert resumed, _dump(result)
+    assert resumed, device_logs(result)
     step = int(resumed[1])
     assert step in (3, 6) and int(resumed[2]) == SLOW_STEP - step, report
     assert on_three and on_three[0]["step"] == step + 1, rows  # the steps after it are redone
     survivors = ("cloud0", "cloud1", "edge0")
-    assert any("host edge1)" in logs[n] and "lost rank" in logs[n] for n in survivors), _dump(
+    assert any("host edge1)" in logs[n] and "lost rank" in logs[n] for n in survivors), device_logs(
         result
     )
-    assert "devices left: edge1" in report, _dump(result)
+    assert "devices left: edge1" in report, device_logs(result)
     # Every step, redone ones included, is the uninterrupted run's step.
-    expected = {r["step"]: r["loss"] for r in _rows(reference / "losses.jsonl")}
+    expected = {r["step"]: r["loss"] for r in read_rows(reference / "losses.jsonl")}
     for row in rows:
         assert row["loss"] == pytest.approx(expected[row["step"]], abs=2e-3), row
     seconds = on_three[0]["t"] - script.killed_at
@@ -145,16 +134,18 @@ def test_lost_device_training_goes_on_without_a_person(elastic_run: Any) -> None
 
 def test_device_comes_back_and_is_used_again(elastic_run: Any) -> None:
     reference, work, result, script = elastic_run
-    assert script.started_at is not None, _dump(result)
-    assert result.returncode == 0, _dump(result)
+    assert script.started_at is not None, device_logs(result)
+    assert result.returncode == 0, device_logs(result)
     edge1 = next(d for d in result.devices if d.name == "edge1")
-    assert edge1.launches == 2 and edge1.returncode == 0 and not edge1.killed, _dump(result)
-    rows = _rows(work / "losses.jsonl")
+    assert edge1.launches == 2 and edge1.returncode == 0 and not edge1.killed, device_logs(result)
+    rows = read_rows(work / "losses.jsonl")
     back = [r for r in rows if r["start"] >= 2]
     assert back and {r["world"] for r in back} == {4} and back[-1]["step"] == STEPS, rows
     report = "\n".join(Path(d.log_path).read_text() for d in result.devices)
-    assert "joined: edge1" in report, _dump(result)
-    assert "new plan: " in report and "on edge1" in report.split("joined: edge1")[-1], _dump(result)
+    assert "joined: edge1" in report, device_logs(result)
+    assert "new plan: " in report and "on edge1" in report.split("joined: edge1")[-1], device_logs(
+        result
+    )
     # The parameters after the last step: the uninterrupted run's.
     got, want = torch.load(work / "final.pt"), torch.load(reference / "final.pt")
     assert got.keys() == want.keys()

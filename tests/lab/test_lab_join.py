@@ -12,7 +12,6 @@ python -m pytest tests/lab/test_lab_join.py -m lab -q
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from lightning_deepcee.lab.network import LabNetwork
 from lightning_deepcee.lab.runner import LabControl, LabResult, RunConfig, run_command
 from lightning_deepcee.lab.state import StateStore
 from lightning_deepcee.lab.topology import load_topology
-from tests.helpers.lab import require_lab
+from tests.helpers.lab import device_logs, read_rows, require_lab
 
 pytestmark = pytest.mark.lab
 
@@ -37,12 +36,6 @@ STEPS = 40  # _join_worker.STEPS
 LINGER_S = 15.0  # after the last step, torchrun's agents wait at exit for the lost one's
 
 
-def _rows(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 class _Script:
     """Kill edge1 inside its step; once the survivors train, start it to join; end the rest."""
 
@@ -52,7 +45,7 @@ class _Script:
         self.joined_at: float | None = None
 
     def __call__(self, ctl: LabControl) -> None:
-        rows = _rows(self.work / "losses.jsonl")
+        rows = read_rows(self.work / "losses.jsonl")
         if self.killed_at is None:
             if (self.work / "in_step").is_file():
                 ctl.kill("edge1")
@@ -93,30 +86,28 @@ def join_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, LabR
     return reference, work, result, script
 
 
-def _dump(result: LabResult) -> str:
-    return "\n".join(f"== {d.name}\n{Path(d.log_path).read_text()[-3000:]}" for d in result.devices)
-
-
 def test_the_lost_device_joins_the_running_job_and_stays_exact(join_run: Any) -> None:
     reference, work, result, script = join_run
-    assert script.killed_at is not None and script.joined_at is not None, _dump(result)
-    assert result.returncode == 0, _dump(result)
+    assert script.killed_at is not None and script.joined_at is not None, device_logs(result)
+    assert result.returncode == 0, device_logs(result)
     edge1 = next(d for d in result.devices if d.name == "edge1")
-    assert edge1.launches == 2 and edge1.returncode == 0 and not edge1.killed, _dump(result)
-    rows = _rows(work / "losses.jsonl")
+    assert edge1.launches == 2 and edge1.returncode == 0 and not edge1.killed, device_logs(result)
+    rows = read_rows(work / "losses.jsonl")
     worlds = [r["world"] for r in rows]
     # Four, then three after the loss, then four again to the last step: one fit, no restart.
     assert worlds[0] == 4 and 3 in worlds and worlds[-1] == 4, worlds
     back = worlds.index(4, worlds.index(3))
     assert set(worlds[back:]) == {4} and rows[-1]["step"] == STEPS, rows
     logs = {d.name: Path(d.log_path).read_text() for d in result.devices}
-    assert "training again on 3 devices in this process" in logs["cloud0"], _dump(result)
-    assert "4 devices (cloud0, cloud1, edge0, edge1) from step" in logs["cloud0"], _dump(result)
-    assert "edge1 asks to join the job" in logs["edge1"], _dump(result)
+    assert "training again on 3 devices in this process" in logs["cloud0"], device_logs(result)
+    assert "4 devices (cloud0, cloud1, edge0, edge1) from step" in logs["cloud0"], device_logs(
+        result
+    )
+    assert "edge1 asks to join the job" in logs["edge1"], device_logs(result)
     new_plan = logs["cloud0"].split("joined: edge1")[-1].split("\n")[2]  # old plan, new plan
-    assert new_plan.startswith("  new plan: ") and "on edge1" in new_plan, _dump(result)
+    assert new_plan.startswith("  new plan: ") and "on edge1" in new_plan, device_logs(result)
     # Every step and the parameters after the last one: the uninterrupted run's.
-    expected = {r["step"]: r["loss"] for r in _rows(reference / "losses.jsonl")}
+    expected = {r["step"]: r["loss"] for r in read_rows(reference / "losses.jsonl")}
     for row in rows:
         assert row["loss"] == pytest.approx(expected[row["step"]], abs=2e-3), row
     got, want = torch.load(work / "final.pt"), torch.load(reference / "final.pt")
