@@ -28,6 +28,7 @@ from tests.helpers.plans import hand_plan
         ({"confirm_window": 0}, "window"),
         ({"warmup_steps": -1}, "warmup_steps"),
         ({"calibration_quantile": 1.5}, "calibration_quantile"),
+        ({"compute_band_quantile": 0.3}, "compute_band_quantile"),
         ({"fast_threshold": 2.0}, "fast_threshold < slow_threshold"),
     ],
 )
