@@ -7,7 +7,8 @@ the stamps' error), every rank's step time, number of proposals, compute seconds
 probe seconds (the come-back's, on a device it watches) in its own slot, and a flag the
 searcher raises when its re-plan search has finished. Every rank reads the same sums, so its
 monitors make the same proposals from them and it acts on them at once; the proposal counts
-check that (:func:`check_agreement`).
+check that (:func:`check_agreement`). Only the ranks with a part to add sum
+(:func:`exchange_members`); the others are handed the sums.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-__all__ = ["Exchanged", "check_agreement", "pack", "unpack"]
+__all__ = ["Exchanged", "check_agreement", "exchange_members", "pack", "unpack"]
 
 
 class _Received(Protocol):
@@ -44,6 +45,23 @@ class Exchanged(NamedTuple):
     """Every rank's compute seconds of the step (0 where a rank did not train)."""
     probe_s: tuple[float, ...] = ()
     """Every rank's newest compute probe seconds (0 where none ended since the last step)."""
+
+
+def exchange_members(
+    training: Iterable[int],
+    searchers: Iterable[int],
+    probed: Iterable[tuple[int, int]],
+    watched: Iterable[int],
+) -> list[int]:
+    """The ranks that sum the exchange, sorted: those that train (transfers, compute), search
+    (the done flag), probe a link (either end) or run a compute probe. Any other rank adds only
+    zeros and its step time, which the step totals already tie to the others'."""
+    ranks = {*training, *searchers, *watched}
+    for src, dst in probed:
+        ranks.update((src, dst))
+    if not ranks:
+        raise ValueError("exchange_members: no rank trains, searches or probes")
+    return sorted(ranks)
 
 
 def pack(

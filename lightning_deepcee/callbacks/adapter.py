@@ -16,16 +16,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_deepcee.adapter import exchange
 from lightning_deepcee.adapter.compute import ComputeMonitor
-from lightning_deepcee.adapter.exchange import Exchanged, check_agreement, pack, unpack
 from lightning_deepcee.adapter.guard import ActionGuard, GuardConfig, Verdict
 from lightning_deepcee.adapter.monitor import LinkMonitor, LinkObservation, MonitorConfig
 from lightning_deepcee.callbacks.after_step import AfterStepCallback
 from lightning_deepcee.callbacks.comeback import ComeBack
+from lightning_deepcee.callbacks.exchange_channel import ExchangeChannel
 from lightning_deepcee.callbacks.replanner import Replanned, Replanner, SplitState, on_one_rank
 from lightning_deepcee.callbacks.strategy_view import deepcee_strategy
 
@@ -44,8 +44,9 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
     the clock confirms (docs/adapter.md).
 
     Each step one all-reduce, posted at the step's end and read at the next one's (so its
-    latency hides behind a step), sums every rank's received transfers per device pair (bytes
-    and seconds on the wire) with every rank's step time, so every rank's
+    latency hides behind a step), sums the received transfers per device pair (bytes and
+    seconds on the wire) with the step times of the ranks that train, search or probe (the
+    other ranks are handed the sums), so every rank's
     :class:`~lightning_deepcee.adapter.LinkMonitor` sees the whole pipeline and judges each link
     against what the plan expects of it (:func:`~lightning_deepcee.adapter.link_expectations`),
     lowered to a figure calibrated after ``warmup_steps`` where that is lower; the same
@@ -141,7 +142,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         self.decisions: list[dict[str, Any]] = []
         self._pairs: list[tuple[int, int]] = []
         """The pairs the running plan's transfers use (the all-reduce's layout)."""
-        self._inflight: Callable[[], Exchanged] | None = None
+        self._inflight: Callable[[], exchange.Exchanged] | None = None
         """Waits for the exchange posted at the end of the last step and reads it."""
         self._proposed: list[dict[str, Any]] = []
         """This rank's proposals counted in the exchange in flight (checked when it lands)."""
@@ -160,7 +161,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         self._deferred: list[dict[str, Any]] = []
         self._last_batch_end: float | None = None
         self._after_trial = False
-        self._exchange_group: Any = None
+        self.channel = ExchangeChannel()
 
     # ------------------------------------------------------------------------------ hooks
     @override
@@ -218,7 +219,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         self._inflight = None
         mine: list[dict[str, Any]] = []
         if landed is not None:
-            check_agreement(landed, len(self._proposed))
+            exchange.check_agreement(landed, len(self._proposed))
             observations = [LinkObservation(landed.step, *row) for row in landed.rows]
             mine = [d.to_dict() for d in self.monitor.observe(landed.step, observations)]
             mine += self._watch_compute(strategy, landed)
@@ -250,6 +251,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._forget_exchange()
+        self.channel.close()
         self.replanner.cancel()  # a search still running is abandoned
         self.comeback.stop()  # its probes; what was left stays for a later fit
 
@@ -262,7 +264,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
 
     # --------------------------------------------------------------------------- per step
     def _watch_compute(
-        self, strategy: AdaptableStrategy, landed: Exchanged
+        self, strategy: AdaptableStrategy, landed: exchange.Exchanged
     ) -> list[dict[str, Any]]:
         """Feed the ranks' compute times to the compute monitor, made afresh for every
         configuration (its stages and micro-batches set the work)."""
@@ -274,38 +276,32 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
 
     def _exchange(
         self, strategy: AdaptableStrategy, step: int, step_s: float, count: int, search_done: bool
-    ) -> Callable[[], Exchanged]:
-        """Post one all-reduce: per pair (bytes, wire seconds), every rank's step time and
+    ) -> Callable[[], exchange.Exchanged]:
+        """Post the exchange: per pair (bytes, wire seconds), every rank's step time and
         proposal count, and whether the background re-plan search finished; the returned
-        callable waits for it and reads it. It runs on a group of its own, so training's own
-        messages never queue behind it."""
+        callable waits for it and reads it. Ranks with nothing to add are handed the sums
+        (:class:`~lightning_deepcee.callbacks.exchange_channel.ExchangeChannel`)."""
         pairs = self._pairs + self.comeback.pairs
         records = [*strategy.transfer_records, *self.comeback.records()]
         stats = strategy.last_step_stats
-        values = pack(
-            pairs, records, rank=strategy.global_rank,
-            world=strategy.world_size, min_bytes=self.config.min_bytes, step_s=step_s,
-            count=count, search_done=search_done, compute_s=stats.compute_s if stats else 0.0,
+        world = strategy.world_size
+        values = exchange.pack(
+            pairs, records, rank=strategy.global_rank, world=world,
+            min_bytes=self.config.min_bytes, step_s=step_s, count=count,
+            search_done=search_done, compute_s=stats.compute_s if stats else 0.0,
             probe_s=self.comeback.compute_sample(), stamp_error_s=self.config.stamp_error_s,
         )  # fmt: skip
-        summed = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
-        work = torch.distributed.all_reduce(
-            summed, op=torch.distributed.ReduceOp.SUM, group=self._group(), async_op=True
+        assert strategy.plan is not None
+        search = self.replanner.search
+        members = exchange.exchange_members(
+            [r for stage in strategy.plan.stages for r in stage.ranks],
+            [self.replanner.searcher(strategy), *([] if search is None else [search.searcher])],
+            self.comeback.pairs, self.comeback.watched_devices(),
+        )  # fmt: skip
+        land = self.channel.post(
+            values, members, rank=strategy.global_rank, world=world, device=strategy.root_device
         )
-        world = strategy.world_size
-
-        def land() -> Exchanged:
-            if work is not None:
-                work.wait()
-            return unpack(step, pairs, world, summed.tolist())
-
-        return land
-
-    def _group(self) -> Any:
-        """The exchange's process group (every rank), made at the first exchange."""
-        if self._exchange_group is None:
-            self._exchange_group = torch.distributed.new_group()
-        return self._exchange_group
+        return lambda: exchange.unpack(step, pairs, world, land())
 
     def _decide(
         self,

@@ -22,6 +22,7 @@ def hand_plan(
     predicted_bubble_ratio: float = 0.0,
     predicted_peak_memory_bytes: Mapping[int, int] | None = None,
     cluster_fingerprint: str = "",
+    notes: str = "",
 ) -> Plan:
     """A plan of these stages; unless given, its predictions are placeholders (1 s a step, no
     bubble, no memory figures) and it names no cluster."""
@@ -36,4 +37,5 @@ def hand_plan(
         model_fingerprint=model_fingerprint,
         cluster_fingerprint=cluster_fingerprint,
         idle_ranks=idle_ranks,
+        notes=notes,
     )

@@ -42,9 +42,13 @@ def _launch(configs: list[dict[str, Any]], out: Path, nodes: bool = False) -> No
     torchrun(WORKER, out, cfg_file, world=WORLD, one_node_per_rank=nodes, timeout=600)
 
 
-def _plan(path: Path, stages: list[Stage], schedule: str, m: int) -> str:
+def _plan(
+    path: Path, stages: list[Stage], schedule: str, m: int, idle: tuple[int, ...] = (), **kw: Any
+) -> str:
     plan = hand_plan(
         stages,
+        idle_ranks=idle,
+        **kw,
         model_fingerprint=FINGERPRINT,
         global_batch_size=10,
         schedule=schedule,
@@ -209,8 +213,13 @@ def _synthetic_profile(path: Path) -> None:
 
 
 def test_adapter_replan_moves_blocks_and_survives_resume(tmp_path: Path) -> None:
-    for name in ("adapter", "resume"):
+    for name in ("adapter", "resume", "idle"):
         _synthetic_profile(tmp_path / name / "profile.yaml")
+    # Rank 0 alone, 1 and 2 idle: 1 searches, 2 is out of the exchange and is handed its sums.
+    # Made by hand, so setup's plan is no floor for the search.
+    cluster = fingerprint_cluster([socket.gethostname()] * WORLD)
+    alone = _plan(tmp_path / "alone.json", [((0, 6), (0,), (1.0,))], "1f1b", 2, idle=(1, 2),
+                  cluster_fingerprint=cluster, notes="manual layout")  # fmt: skip
     # The link 0->1 drops to 1/10000 of the profile at step 2: data parallelism over all three
     # devices (what the search picks on the fast profile) all-reduces over it, so the adapter
     # re-plans around it.
@@ -224,6 +233,10 @@ def test_adapter_replan_moves_blocks_and_survives_resume(tmp_path: Path) -> None
         # A manual layout without a profile cannot re-plan: logged and skipped.
         {"name": "noprofile", "schedule": "1f1b", "num_microbatches": 2, "steps": 4,
          "forced_replan": forced},
+        # A change of a link the plan does not use starts a search, which finds the three
+        # devices far faster than one.
+        {"name": "idle", "profile": True, "plan": alone, "steps": 7,
+         "forced_replan": [2, [0, 1], 0.5]},
     ]  # fmt: skip
     _launch(configs, tmp_path)
     _assert_matches_reference(_merged(tmp_path / "adapter"), _reference(7))
@@ -248,6 +261,19 @@ def test_adapter_replan_moves_blocks_and_survives_resume(tmp_path: Path) -> None
     assert resume["plans"][0]["setup"]["stages"] == start["stages"]  # setup searched A again
     assert resume["plans"][0]["start"] == replanned  # ... and the adapter restored B
     assert resume["plan"] == replanned
+
+    # The rank out of the exchange took every decision the others took, and moved with them.
+    idle = [_rank(tmp_path / "idle", rank) for rank in range(WORLD)]
+    assert idle[0]["plans"][0]["start"]["stages"] == [
+        {"block_range": [0, 6], "ranks": [0], "batch_shares": [1.0]}
+    ], idle[0]["plans"][0]["start"]
+    moved = [d for d in idle[0]["decisions"] if d["kind"] == "replan-applied"]
+    assert len(moved) == 1 and moved[0]["step"] == 4, idle[0]["decisions"]
+    assert 2 in [r for stage in idle[0]["plan"]["stages"] for r in stage["ranks"]]
+    for rank in (1, 2):
+        assert idle[rank]["decisions"] == idle[0]["decisions"]
+        assert idle[rank]["plan"] == idle[0]["plan"]
+    _assert_matches_reference(_merged(tmp_path / "idle"), _reference(7))
 
     noprofile = _rank(tmp_path / "noprofile", 0)
     assert [d["kind"] for d in noprofile["decisions"] if d["kind"].startswith("replan-")] == [

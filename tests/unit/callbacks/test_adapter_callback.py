@@ -37,31 +37,33 @@ def test_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:
         DynamicEnvironmentAdapter(**kwargs)
 
 
-def _plan() -> Plan:
+def _plan(idle: tuple[int, ...] = ()) -> Plan:
     return hand_plan(
         [((0, 1), (0, 1), (0.5, 0.5)), ((1, 2), (2,), (1.0,))],
+        idle_ranks=idle,
         global_batch_size=8,
         predicted_step_time_s=0.0,
         model_fingerprint="m",
     )
 
 
-class _Rank2(DeepCEEStrategy):
-    """Rank 2 of 3 in a run of ``_plan()``, with given transfers; no processes."""
+class _Rank(DeepCEEStrategy):
+    """Rank ``rank`` of ``world`` in a run of ``_plan()`` (ranks 0-2 train), with given
+    transfers; no processes."""
 
-    def __init__(self, records: list[TransferRecord]) -> None:
+    def __init__(self, records: list[TransferRecord], rank: int = 2, world: int = 3) -> None:
         super().__init__()
-        self.stage_part.plan = _plan()
+        self.stage_part.plan = _plan(tuple(range(3, world)))
         self.stage_part.num_microbatches = 2
-        self._records = records
+        self._records, self._rank, self._world = records, rank, world
 
     @property
     def world_size(self) -> int:
-        return 3
+        return self._world
 
     @property
     def global_rank(self) -> int:
-        return 2
+        return self._rank
 
     @property
     def root_device(self) -> torch.device:
@@ -85,7 +87,7 @@ def test_one_all_reduce_carries_the_pairs_wire_time_step_time_and_proposals(
         TransferRecord(1, 1 << 20, 0.1, "recv", wire_s=None),  # no wire time: not counted
         TransferRecord(0, 1 << 20, 0.3, "send"),  # a send: its receiver counts it
     ]
-    strategy = _Rank2(records)
+    strategy = _Rank(records)
     adapter = DynamicEnvironmentAdapter(max_split=2)
     trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=0)
     with pytest.warns(UserWarning, match="no cluster profile"):
@@ -105,14 +107,14 @@ def test_one_all_reduce_carries_the_pairs_wire_time_step_time_and_proposals(
 
     def all_reduce(t: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False):
         nonlocal tensor
-        assert async_op and group == "exchange-group"  # posted, on a group of its own
+        assert async_op and group == "group (0, 1, 2)"  # posted, on a group of its own
         sent.append(t.tolist())
         tensor = t
         return Work()
 
     tensor = torch.zeros(0)
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
-    monkeypatch.setattr(torch.distributed, "new_group", lambda: "exchange-group")
+    monkeypatch.setattr(torch.distributed, "new_group", lambda ranks: f"group {tuple(ranks)}")
     strategy.last_step_stats = StepStats(seconds_by_kind={"F": 0.125, "B": 0.25})
     land = adapter._exchange(strategy, 7, 0.4, 0, False)
     # 4 pairs x (bytes, seconds, seconds less the stamps' error of 10 ms), the step time,
@@ -126,6 +128,58 @@ def test_one_all_reduce_carries_the_pairs_wire_time_step_time_and_proposals(
     assert landed.step == 7 and landed.rows == [[0, 2, 2 << 20, 0.75, pytest.approx(0.73)]]
     assert landed.slowest_s == 0.7 and landed.anyone and landed.search_done
     assert landed.compute_s == (0.5, 0.0, 0.375) and landed.probe_s == (0.25, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("rank", [0, 3, 4])
+def test_a_rank_that_neither_trains_searches_nor_probes_is_handed_the_sums(
+    monkeypatch: pytest.MonkeyPatch, rank: int
+) -> None:
+    """Five ranks, three training: the idle rank 3 searches (the lowest of equally fast idle
+    ranks), so ranks 0-3 sum; rank 4 adds nothing and takes the sums from rank 0, which hands
+    them on once they land without waiting for the hand-over."""
+    strategy = _Rank([], rank=rank, world=5)
+    adapter = DynamicEnvironmentAdapter()
+    trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=0)
+    with pytest.warns(UserWarning, match="no cluster profile"):
+        adapter.on_train_start(trainer, None)
+    calls: list[tuple[str, Any, Any]] = []
+
+    class Work:
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self.tensor = tensor
+
+        def wait(self) -> None:
+            calls.append(("wait", None, None))
+            self.tensor[len(self.tensor) - 1] = 1.0  # rank 3's search is done
+
+        def is_completed(self) -> bool:
+            return False
+
+    def all_reduce(t: torch.Tensor, group: Any = None, async_op: bool = False) -> Work:
+        calls.append(("all_reduce", group, async_op))
+        return Work(t)
+
+    def broadcast(t: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
+        calls.append(("broadcast", (src, group), async_op))
+        if not async_op:  # rank 4: the sums arrive
+            t[len(t) - 1] = 1.0
+            return None
+        return Work(t)
+
+    monkeypatch.setattr(torch.distributed, "new_group", lambda ranks: f"group {tuple(ranks)}")
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    monkeypatch.setattr(torch.distributed, "broadcast", broadcast)
+    land = adapter._exchange(strategy, 7, 0.4, 0, False)
+    landed = land()
+    assert landed.search_done  # every rank reads the same sums
+    if rank == 4:
+        assert calls == [("broadcast", (0, "group (0, 4)"), False)]
+        return
+    assert calls[:2] == [("all_reduce", "group (0, 1, 2, 3)", True), ("wait", None, None)]
+    handed = [("broadcast", (0, "group (0, 4)"), True)] if rank == 0 else []
+    assert calls[2:] == handed
+    adapter.on_train_end(trainer, None)  # the hand-over is waited for at the end
+    assert calls[2:] == handed + [("wait", None, None)] * len(handed)
 
 
 @pytest.mark.parametrize(("anyone", "proposed"), [(True, 2), (False, 0)])
@@ -144,7 +198,7 @@ def test_ranks_whose_monitors_disagree_stop_with_an_error(
 
 
 def test_the_state_round_trips_and_an_older_one_starts_afresh() -> None:
-    strategy = _Rank2([])
+    strategy = _Rank([])
     adapter = DynamicEnvironmentAdapter()
     trainer: Any = SimpleNamespace(strategy=strategy, loggers=[], global_step=0)
     with pytest.warns(UserWarning):
@@ -159,7 +213,7 @@ def test_the_state_round_trips_and_an_older_one_starts_afresh() -> None:
     assert restored.state_dict() == adapter.state_dict()
     assert restored.guard.pending == adapter.guard.pending and restored.split_state.split == 2
     # On resume the split in force is applied again (2 pieces of the plan's 2 micro-batches).
-    resumed = _Rank2([])
+    resumed = _Rank([])
     with pytest.warns(UserWarning):
         restored.on_train_start(SimpleNamespace(strategy=resumed, loggers=[], global_step=1), None)
     assert resumed.num_microbatches == 4 and restored.monitor is not None
