@@ -134,6 +134,7 @@ def observed_profile(
     figures: Iterable[LinkFigure],
     *,
     ceiling: ClusterProfile | None = None,
+    changing_below: float = 0.0,
 ) -> tuple[ClusterProfile, dict[Link, tuple[float, float]]]:
     """``profile`` with the bandwidth of every link that is off its expectation rescaled.
 
@@ -159,6 +160,12 @@ def observed_profile(
     planner, which would otherwise route the gradients back over a link it believes unchanged.
     Later figures of one link override earlier ones (put decisions last).
 
+    A link watched in state ``normal`` whose window reads under ``changing_below`` of its
+    expectation (the monitor's ``1 / slow_threshold``) gets its own ratio too: it is changing
+    and its state has not caught up. A cut into a receiver that waits for a CPU reads above the
+    severe threshold for longer than the other direction (docs/adapter.md, Limits), and kept at
+    its figure it would make a plan that sends over it look as fast as before the cut.
+
     Returns the new profile and, per rescaled link, ``(old, new)`` bandwidth in bytes/s.
     """
     normal: set[Link] = set()
@@ -167,7 +174,7 @@ def observed_profile(
         ratio = figure.ratio
         if ratio is None:
             continue
-        if figure.state == "normal":
+        if figure.state == "normal" and ratio >= changing_below:
             normal.add(figure.link)
             ratios.pop(figure.link, None)
         else:

@@ -405,7 +405,9 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
         replanned = self.replanner.replanned
         if replanned is not None and replanned.measured is not None:
             ceiling = ClusterProfile.from_dict(replanned.measured)
-        observed, changes = observed_profile(profile, figures, ceiling=ceiling)
+        observed, changes = observed_profile(
+            profile, figures, ceiling=ceiling, changing_below=1 / self.config.slow_threshold
+        )
         ratios = compute_ratios(proposals)
         if self.compute is not None:  # its state now wins over a proposal's, as for links
             ratios = {r: x for r, x in ratios.items() if r not in self.compute.ranks}

@@ -222,6 +222,22 @@ def test_a_proposal_during_a_verdict_waits_for_it(monkeypatch: pytest.MonkeyPatc
     assert after["kind"].startswith("split-") and after["step"] == verdict["step"] + 1
 
 
+def test_a_direction_still_read_normal_but_falling_is_predicted_at_its_own_figure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The gradients' direction drops to a tenth (severe at once); the activations' falls to
+    # 0.3, not severe and not yet degraded when the re-plan is chosen: it is predicted at 3 MB/s,
+    # not at its old 10 MB/s.
+    run = run_adapter(
+        monkeypatch, 60, lambda step: 0.3 if step >= 40 else 1.0,
+        wan_back=lambda step: 0.1 if step >= 40 else 1.0, replan_after=1000,
+    )  # fmt: skip
+    (proposal,) = [d for d in run.kinds("replan") if d.get("severe")]
+    assert proposal["link"] == [2, 0]  # only the gradients' direction was proposed
+    (applied,) = run.kinds("replan-applied")
+    assert "0->2 10 -> 3 MB/s" in applied["reason"] and "2->0 10 -> 1 MB/s" in applied["reason"]
+
+
 def test_a_split_that_does_not_pay_is_reverted_within_its_window(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -90,6 +90,16 @@ def test_a_degraded_link_is_rescaled_both_ways_unless_the_reverse_is_observed() 
     updated, changes = observed_profile(profile, figures)
     assert updated.bandwidth_bytes_per_s[1][0] == 1e8 and set(changes) == {(0, 1)}
 
+    # The reverse still normal but reading under 1 / slow_threshold (changing, its state not
+    # caught up): its own ratio; one reading within it keeps its figure.
+    figures = [_figure((0, 1), 2e6, 1e6, "degraded"), _figure((1, 0), 2e6, 6e5, "normal")]
+    updated, changes = observed_profile(profile, figures, changing_below=1 / 1.5)
+    assert updated.bandwidth_bytes_per_s[1][0] == pytest.approx(3e7)
+    assert changes[(1, 0)] == (1e8, pytest.approx(3e7))
+    figures = [_figure((0, 1), 2e6, 1e6, "degraded"), _figure((1, 0), 2e6, 1.4e6, "normal")]
+    updated, changes = observed_profile(profile, figures, changing_below=1 / 1.5)
+    assert updated.bandwidth_bytes_per_s[1][0] == 1e8 and set(changes) == {(0, 1)}
+
     # The reverse off its expectation too: its own ratio.
     figures = [_figure((0, 1), 2e6, 1e6, "degraded"), _figure((1, 0), 2e6, 5e5, "degraded")]
     updated, _ = observed_profile(profile, figures)
