@@ -277,7 +277,7 @@ class DynamicEnvironmentAdapter(AfterStepCallback):
     def _exchange(
         self, strategy: AdaptableStrategy, step: int, step_s: float, count: int, search_done: bool
     ) -> Callable[[], exchange.Exchanged]:
-        """Post the exchange: per pair (bytes, wire seconds), every rank's step time and
+        """Post the exchange: per pair (bytes, wire seconds), each member's step time and
         proposal count, and whether the background re-plan search finished; the returned
         callable waits for it and reads it. Ranks with nothing to add are handed the sums
         (:class:`~lightning_deepcee.callbacks.exchange_channel.ExchangeChannel`)."""

@@ -42,12 +42,9 @@ def _launch(configs: list[dict[str, Any]], out: Path, nodes: bool = False) -> No
     torchrun(WORKER, out, cfg_file, world=WORLD, one_node_per_rank=nodes, timeout=600)
 
 
-def _plan(
-    path: Path, stages: list[Stage], schedule: str, m: int, idle: tuple[int, ...] = (), **kw: Any
-) -> str:
+def _plan(path: Path, stages: list[Stage], schedule: str, m: int, **kw: Any) -> str:
     plan = hand_plan(
         stages,
-        idle_ranks=idle,
         **kw,
         model_fingerprint=FINGERPRINT,
         global_batch_size=10,
@@ -218,7 +215,7 @@ def test_adapter_replan_moves_blocks_and_survives_resume(tmp_path: Path) -> None
     # Rank 0 alone, 1 and 2 idle: 1 searches, 2 is out of the exchange and is handed its sums.
     # Made by hand, so setup's plan is no floor for the search.
     cluster = fingerprint_cluster([socket.gethostname()] * WORLD)
-    alone = _plan(tmp_path / "alone.json", [((0, 6), (0,), (1.0,))], "1f1b", 2, idle=(1, 2),
+    alone = _plan(tmp_path / "alone.json", [((0, 6), (0,), (1.0,))], "1f1b", 2, idle_ranks=(1, 2),
                   cluster_fingerprint=cluster, notes="manual layout")  # fmt: skip
     # The link 0->1 drops to 1/10000 of the profile at step 2: data parallelism over all three
     # devices (what the search picks on the fast profile) all-reduces over it, so the adapter
